@@ -1,0 +1,13 @@
+"""Compressor pooling op (spec §6). `compress_pool(..., backend="naive")`; other backends register in _IMPLS."""
+from __future__ import annotations
+
+from . import naive
+
+_IMPLS = {"naive": naive.compress_pool}
+
+
+def compress_pool(kv, gate, ape, ratio: int, overlap: bool, backend: str = "naive"):
+    """kv, gate [S,B,coff*D]; ape [m, coff*D] -> [S//m, B, D]. See `naive.compress_pool`."""
+    if backend not in _IMPLS:
+        raise ValueError(f"compress_pool: unknown backend {backend!r}; known: {', '.join(_IMPLS)}")
+    return _IMPLS[backend](kv, gate, ape, ratio, overlap)

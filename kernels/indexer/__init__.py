@@ -1,0 +1,21 @@
+"""Lightning-indexer ops (spec §7.2): `indexer_scores`, `indexer_topk` with `backend="naive"` dispatch."""
+from __future__ import annotations
+
+from . import naive
+
+_SCORES = {"naive": naive.indexer_scores}
+_TOPK = {"naive": naive.indexer_topk}
+
+
+def indexer_scores(qI, kI, w, ratio: int, backend: str = "naive"):
+    """qI [S,B,nI,cI], kI [T,B,cI], w [S,B,nI] -> I [S,B,T] fp32. See `naive.indexer_scores`."""
+    if backend not in _SCORES:
+        raise ValueError(f"indexer_scores: unknown backend {backend!r}; known: {', '.join(_SCORES)}")
+    return _SCORES[backend](qI, kI, w, ratio)
+
+
+def indexer_topk(I, k: int, backend: str = "naive"):
+    """I [S,B,T] -> idx [S,B,min(k,T)] long, -1 = not causal; ties -> lower index first."""
+    if backend not in _TOPK:
+        raise ValueError(f"indexer_topk: unknown backend {backend!r}; known: {', '.join(_TOPK)}")
+    return _TOPK[backend](I, k)
