@@ -1,0 +1,239 @@
+"""Sparse attention (window + CSA-selected / HCA-causal compressed entries + sink) in Triton, fwd and bwd.
+
+Same contract as `naive.sparse_attn` (spec §5.2, §5.3): for query t and head h, ONE softmax over
+  * the window keys  {s : t - window < s <= t}                 (rows of `kv`),
+  * the compressed entries: comp_idx given -> those listed (-1 = none);
+                            comp_idx None and comp given -> all j < floor((t+1)/ratio),
+  * the sink logit sink[h] (no value).
+K = V (MQA: all H heads share one kv head of width c).
+
+Schedule (flash-attention style, MQA): one program per (query t, batch b, block of BH heads). The BH heads of
+one query are the M dimension of the tensor-core tiles; keys stream in tiles of BN rows (window rows are
+contiguous, CSA rows are gathered by index, HCA rows are contiguous), online softmax in the exp2 domain,
+seeded with the sink (running max = sink, running sum = 1), so a query with no key is well defined.
+
+Backward (one fused kernel, FA2 style with the stored log-sum-exp): per key tile recompute P, dP = dO Vᵀ,
+dS = P (dP - delta) * scale; dQ += dS K stays in registers; dKV_tile = dSᵀ Q + Pᵀ dO (K = V, the heads of the
+block reduced inside the tile) goes to fp32 buffers through atomic adds (non-deterministic summation order).
+The sink gradient is -Σ p_sink · delta, reduced in PyTorch from the per-(t, b, h) delta the kernel stores.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.kernels._triton_util import configs, pow2
+
+LOG2E = 1.4426950408889634
+MODE_NONE, MODE_IDX, MODE_ALL = 0, 1, 2
+
+_FWD_CONFIGS = configs(
+    gpu=[dict(BH=64, BN=64, num_warps=8, num_stages=2), dict(BH=64, BN=32, num_warps=8, num_stages=2),
+         dict(BH=64, BN=32, num_warps=4, num_stages=2), dict(BH=32, BN=64, num_warps=4, num_stages=2),
+         dict(BH=64, BN=64, num_warps=8, num_stages=1)],
+    cpu=dict(BH=16, BN=16, num_warps=4, num_stages=1))
+_BWD_CONFIGS = configs(
+    gpu=[dict(BH=64, BN=16, num_warps=8, num_stages=1), dict(BH=64, BN=32, num_warps=8, num_stages=1),
+         dict(BH=32, BN=32, num_warps=8, num_stages=1), dict(BH=32, BN=64, num_warps=8, num_stages=1),
+         dict(BH=64, BN=16, num_warps=8, num_stages=2)],
+    cpu=dict(BH=16, BN=16, num_warps=4, num_stages=1))
+
+
+# ----------------------------------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale):
+    s = tl.dot(q, tl.trans(k)) * qk_scale                       # [BH, BN] logits, log2 domain
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)       # V = K
+    return m_new, l_i, acc
+
+
+@triton.autotune(configs=_FWD_CONFIGS, key=["H", "BD", "MODE"])
+@triton.jit
+def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE,
+                     sq_s, sq_b, sq_h, skv_s, skv_b, sc_s, sc_b, si_s, si_b, so_s, so_b, so_h, sl_s, sl_b,
+                     H, C, NSEL, window, ratio, qk_scale,
+                     MODE: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
+    offs_d = tl.arange(0, BD)
+    hmask = offs_h < H
+    dmask = offs_d < C
+    q = tl.load(Q + t * sq_s + b * sq_b + offs_h[:, None] * sq_h + offs_d[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    m_i = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+    l_i = tl.full([BH], 1.0, tl.float32)                        # the sink's exp(z - m) = 1
+    acc = tl.zeros([BH, BD], tl.float32)
+    # window keys t-window < s <= t
+    lo = tl.maximum(t - window + 1, 0)
+    for start in range(lo, t + 1, BN):
+        offs_n = start + tl.arange(0, BN)
+        valid = offs_n <= t
+        k = tl.load(KV + offs_n[:, None] * skv_s + b * skv_b + offs_d[None, :],
+                    mask=valid[:, None] & dmask[None, :], other=0.0)
+        m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale)
+    if MODE == 1:                                               # CSA: gathered top-k entries
+        for start in range(0, NSEL, BN):
+            offs_n = start + tl.arange(0, BN)
+            idx = tl.load(IDX + t * si_s + b * si_b + offs_n, mask=offs_n < NSEL, other=-1)
+            valid = idx >= 0
+            k = tl.load(COMP + idx[:, None] * sc_s + b * sc_b + offs_d[None, :],
+                        mask=valid[:, None] & dmask[None, :], other=0.0)
+            m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale)
+    if MODE == 2:                                               # HCA: all complete entries j < (t+1)//ratio
+        nvis = (t + 1) // ratio
+        for start in range(0, nvis, BN):
+            offs_n = start + tl.arange(0, BN)
+            valid = offs_n < nvis
+            k = tl.load(COMP + offs_n[:, None] * sc_s + b * sc_b + offs_d[None, :],
+                        mask=valid[:, None] & dmask[None, :], other=0.0)
+            m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale)
+    o = acc / l_i[:, None]
+    tl.store(O + t * so_s + b * so_b + offs_h[:, None] * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
+             mask=hmask[:, None] & dmask[None, :])
+    tl.store(LSE + t * sl_s + b * sl_b + offs_h, m_i + tl.log2(l_i), mask=hmask)
+
+
+# ---------------------------------------------------------------------------------------------- backward
+@triton.jit
+def _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale):
+    s = tl.dot(q, tl.trans(k)) * qk_scale                       # [BH, BN]
+    p = tl.where(valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(k))                                # dO Vᵀ, V = K
+    ds = p * (dp - delta[:, None]) * scale
+    dq = dq + tl.dot(ds.to(k.dtype), k)
+    dk = tl.dot(tl.trans(ds.to(q.dtype)), q) + tl.dot(tl.trans(p.to(do.dtype)), do)   # [BN, BD] dK + dV
+    return dq, dk
+
+
+@triton.autotune(configs=_BWD_CONFIGS, key=["H", "BD", "MODE"], reset_to_zero=["DKV", "DCOMP"])
+@triton.jit
+def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA,
+                     sq_s, sq_b, sq_h, skv_s, skv_b, sc_s, sc_b, si_s, si_b, so_s, so_b, so_h, sl_s, sl_b,
+                     H, C, NSEL, window, ratio, qk_scale, scale,
+                     MODE: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
+    # Q/DQ/O/DO share strides (sq_*, so_*: q and dq; o and do), KV/DKV share skv_*, COMP/DCOMP share sc_*
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
+    offs_d = tl.arange(0, BD)
+    hmask = offs_h < H
+    dmask = offs_d < C
+    hd = hmask[:, None] & dmask[None, :]
+    q = tl.load(Q + t * sq_s + b * sq_b + offs_h[:, None] * sq_h + offs_d[None, :], mask=hd, other=0.0)
+    o_off = t * so_s + b * so_b + offs_h[:, None] * so_h + offs_d[None, :]
+    do = tl.load(DO + o_off, mask=hd, other=0.0)
+    o = tl.load(O + o_off, mask=hd, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)     # [BH] rowsum(dO ∘ O)
+    lse = tl.load(LSE + t * sl_s + b * sl_b + offs_h, mask=hmask, other=0.0)
+    tl.store(DELTA + t * sl_s + b * sl_b + offs_h, delta, mask=hmask)
+    dq = tl.zeros([BH, BD], tl.float32)
+    lo = tl.maximum(t - window + 1, 0)
+    for start in range(lo, t + 1, BN):
+        offs_n = start + tl.arange(0, BN)
+        valid = offs_n <= t
+        kmask = valid[:, None] & dmask[None, :]
+        k_off = offs_n[:, None] * skv_s + b * skv_b + offs_d[None, :]
+        k = tl.load(KV + k_off, mask=kmask, other=0.0)
+        dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale)
+        tl.atomic_add(DKV + k_off, dk, mask=kmask, sem="relaxed")
+    if MODE == 1:
+        for start in range(0, NSEL, BN):
+            offs_n = start + tl.arange(0, BN)
+            idx = tl.load(IDX + t * si_s + b * si_b + offs_n, mask=offs_n < NSEL, other=-1)
+            valid = idx >= 0
+            kmask = valid[:, None] & dmask[None, :]
+            k_off = idx[:, None] * sc_s + b * sc_b + offs_d[None, :]
+            k = tl.load(COMP + k_off, mask=kmask, other=0.0)
+            dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale)
+            tl.atomic_add(DCOMP + k_off, dk, mask=kmask, sem="relaxed")
+    if MODE == 2:
+        nvis = (t + 1) // ratio
+        for start in range(0, nvis, BN):
+            offs_n = start + tl.arange(0, BN)
+            valid = offs_n < nvis
+            kmask = valid[:, None] & dmask[None, :]
+            k_off = offs_n[:, None] * sc_s + b * sc_b + offs_d[None, :]
+            k = tl.load(COMP + k_off, mask=kmask, other=0.0)
+            dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale)
+            tl.atomic_add(DCOMP + k_off, dk, mask=kmask, sem="relaxed")
+    tl.store(DQ + t * sq_s + b * sq_b + offs_h[:, None] * sq_h + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=hd)
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def _launch_args(q, kv, comp, comp_idx, window, ratio):
+    S, B, H, C = q.shape
+    if comp_idx is not None:
+        if comp is None:
+            raise ValueError("sparse_attn: comp_idx given without comp")
+        mode, nsel = MODE_IDX, comp_idx.shape[-1]
+    elif comp is not None:
+        mode, nsel = MODE_ALL, 0
+    else:
+        mode, nsel = MODE_NONE, 0
+    return S, B, H, C, mode, nsel
+
+
+class _SparseAttn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, comp, comp_idx, sink, window, ratio, scale):
+        q, kv = q.contiguous(), kv.contiguous()
+        S, B, H, C, mode, nsel = _launch_args(q, kv, comp, comp_idx, window, ratio)
+        comp_t = comp.contiguous() if comp is not None else kv           # dummy pointer when unused
+        idx_t = comp_idx.contiguous() if comp_idx is not None else torch.zeros(1, 1, 1, dtype=torch.long,
+                                                                              device=q.device)
+        o = torch.empty_like(q)
+        lse = torch.empty(S, B, H, device=q.device, dtype=torch.float32)
+        grid = lambda meta: (S, B, triton.cdiv(H, meta["BH"]))
+        _sparse_attn_fwd[grid](
+            q, kv, comp_t, idx_t, sink.contiguous(), o, lse,
+            q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), comp_t.stride(0), comp_t.stride(1),
+            idx_t.stride(0), idx_t.stride(1), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+            H, C, nsel, int(window), max(int(ratio or 1), 1), float(scale) * LOG2E, MODE=mode, BD=pow2(C))
+        ctx.save_for_backward(q, kv, comp_t, idx_t, sink, o, lse)
+        ctx.cfg = (mode, nsel, int(window), max(int(ratio or 1), 1), float(scale), comp is not None)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, kv, comp_t, idx_t, sink, o, lse = ctx.saved_tensors
+        mode, nsel, window, ratio, scale, has_comp = ctx.cfg
+        do = do.contiguous()
+        S, B, H, C = q.shape
+        dq = torch.empty_like(q)
+        dkv = torch.zeros(kv.shape, device=q.device, dtype=torch.float32)
+        dcomp = torch.zeros(comp_t.shape, device=q.device, dtype=torch.float32) if has_comp else dkv
+        delta = torch.empty_like(lse)
+        grid = lambda meta: (S, B, triton.cdiv(H, meta["BH"]))
+        _sparse_attn_bwd[grid](
+            q, kv, comp_t, idx_t, o, do, lse, dq, dkv, dcomp, delta,
+            q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), comp_t.stride(0), comp_t.stride(1),
+            idx_t.stride(0), idx_t.stride(1), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+            H, C, nsel, window, ratio, scale * LOG2E, scale, MODE=mode, BD=pow2(C))
+        # d sink_h = -Σ_{t,b} p_sink(t,b,h) · delta(t,b,h),  p_sink = exp(z_h - lse)   (lse in log2 units)
+        p_sink = torch.exp2(sink.float() * LOG2E - lse)
+        dsink = -(p_sink * delta).sum((0, 1)).to(sink.dtype)
+        dcomp_out = dcomp.to(comp_t.dtype) if has_comp else None
+        return dq, dkv.to(kv.dtype), dcomp_out, None, dsink, None, None, None
+
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor | None, comp_idx: torch.Tensor | None,
+                sink: torch.Tensor, window: int, ratio: int, scale: float) -> torch.Tensor:
+    """Triton sparse attention; q [S,B,H,c], kv [S,B,c], comp [T,B,c] | None, comp_idx [S,B,k] | None,
+    sink [H] -> o [S,B,H,c] (same contract as `naive.sparse_attn`)."""
+    if q.dim() != 4 or kv.dim() != 3 or kv.shape[0] != q.shape[0] or kv.shape[-1] != q.shape[-1]:
+        raise ValueError(f"sparse_attn: q {tuple(q.shape)} / kv {tuple(kv.shape)} must be [S,B,H,c] / [S,B,c]")
+    if comp_idx is not None and comp_idx.shape[:2] != q.shape[:2]:
+        raise ValueError(f"sparse_attn: comp_idx {tuple(comp_idx.shape)} must be [S,B,k]")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return _SparseAttn.apply(q, kv, comp, comp_idx, sink, window, ratio, scale)
