@@ -1,0 +1,219 @@
+"""Packed THD layout: many documents in one token stream, each attended exactly as if it ran alone (D5, D6).
+
+Megatron's `PackedSeqParams` describe a packed batch `[1, T]` with
+  cu_seqlens        [n_docs+1]  cumulative REAL lengths of the documents,
+  cu_seqlens_padded [n_docs+1]  cumulative PADDED lengths = the offsets of the documents in the stream
+                                (document i occupies tokens cu_padded[i] .. cu_padded[i] + len_i - 1; the rest
+                                of its padded slot is padding). Without it, the documents are back to back.
+We turn them into two per-token integer vectors, the only metadata the THD kernels below need:
+  seg [T]  document id of the token, -1 for padding,
+  pos [T]  position of the token inside its document (0 for padding).
+Everything DSv4 does across tokens then restarts at document starts (spec §5.2, §6.2-6.3, §7.2; the four
+classic THD bugs of peers_matrix §3: window clamped to the stream start, stream-wide RoPE positions,
+compressor groups crossing documents, indexer scoring the whole stream):
+  * sliding window  : key s visible to query t iff seg_s == seg_t and pos_t - n_win < pos_s <= pos_t;
+  * compressor      : entry j of a document pools its tokens with pos in [j m, (j+1) m) (+ the previous
+                      window for CSA overlap, empty for j = 0); an entry never pools two documents;
+  * entries         : carry (seg, j); query t sees entry (seg, j) iff seg == seg_t and j < (pos_t + 1) // m;
+  * indexer         : scores only its own document's causal entries; the same tie-break (lower j first);
+  * RoPE            : positions `pos` (restart at 0 for each document).
+The same kernels serve context parallelism (model/context_parallel.py): a rank holds a halo of left tokens plus
+its chunk, and entries gathered from all ranks -- masks are driven by (seg, pos, j) only, never by array index.
+
+Layout: token-major THD tensors `[T, ...]` (Megatron's `t h d`), fp32 softmaxes, plain PyTorch (differentiable
+by autograd), no Python loop over documents.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class THDError(ValueError):
+    """Bad packed-sequence metadata (one line, naming the field)."""
+
+
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """Up-cast to the accumulation dtype: fp32 for half types, fp64 stays fp64 (for gradchecks)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------- layout
+
+
+def _check_cu(name: str, cu: torch.Tensor) -> None:
+    if cu.dim() != 1 or cu.numel() < 1 or cu.dtype.is_floating_point:
+        raise THDError(f"{name}: must be a 1-D integer tensor [n_docs+1], got {tuple(cu.shape)} {cu.dtype}")
+    if int(cu[0]) != 0:
+        raise THDError(f"{name}: must start at 0, got {int(cu[0])}")
+    if bool((cu[1:] < cu[:-1]).any()):
+        raise THDError(f"{name}: must be non-decreasing, got {cu.tolist()}")
+
+
+def seg_pos_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None,
+                            cu_seqlens_padded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seg [T], pos [T]) of a packed stream; T = `total` (default: the last offset); trailing tokens = padding."""
+    cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.long)
+    _check_cu("cu_seqlens", cu_seqlens)
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]                                     # [n_docs] real lengths
+    if cu_seqlens_padded is None:
+        starts = cu_seqlens[:-1]
+        end = int(cu_seqlens[-1])
+    else:
+        cu_seqlens_padded = torch.as_tensor(cu_seqlens_padded, dtype=torch.long)
+        _check_cu("cu_seqlens_padded", cu_seqlens_padded)
+        if cu_seqlens_padded.numel() != cu_seqlens.numel():
+            raise THDError(f"cu_seqlens_padded: has {cu_seqlens_padded.numel()} entries, cu_seqlens "
+                           f"{cu_seqlens.numel()}")
+        if bool(((cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]) < lens).any()):
+            raise THDError("cu_seqlens_padded: a padded length is shorter than its real length")
+        starts = cu_seqlens_padded[:-1]
+        end = int(cu_seqlens_padded[-1])
+    T = end if total is None else int(total)
+    if T < end:
+        raise THDError(f"total: {T} tokens is shorter than the packed documents ({end})")
+    seg = torch.full((T,), -1, dtype=torch.long)
+    pos = torch.zeros(T, dtype=torch.long)
+    n_docs = lens.numel()
+    doc = torch.repeat_interleave(torch.arange(n_docs), lens)                   # [sum len] doc id per real token
+    first = torch.repeat_interleave(cu_seqlens[:-1], lens)                      # real-token offset of its doc
+    p = torch.arange(int(cu_seqlens[-1])) - first                               # position inside the doc
+    idx = starts[doc] + p                                                       # slot in the stream
+    seg[idx] = doc
+    pos[idx] = p
+    return seg, pos
+
+
+def positions_from_cu_seqlens(cu_seqlens, total=None, cu_seqlens_padded=None) -> torch.Tensor:
+    """RoPE positions [T] restarting at 0 for each document (0 on padding)."""
+    return seg_pos_from_cu_seqlens(cu_seqlens, total, cu_seqlens_padded)[1]
+
+
+# ---------------------------------------------------------------------------------------------- compressor
+
+
+def entry_ends(seg: torch.Tensor, pos: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Token indices [N] where a compression window of `ratio` tokens closes: (pos + 1) % m == 0 (spec §5.2)."""
+    return torch.nonzero((seg >= 0) & ((pos + 1) % ratio == 0), as_tuple=False).flatten()
+
+
+def compress_pool_thd(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool,
+                      seg: torch.Tensor, pos: torch.Tensor, ends: torch.Tensor | None = None):
+    """Softmax-gated pooling per document (spec §6.2 / §6.3), packed.
+
+    kv, gate [T, coff*D] (the projections of every token; coff = 2 with overlap), ape [m, coff*D].
+    Returns (comp [N, D], entry_seg [N], entry_j [N], ends [N]) for the entries that close at the token indices
+    `ends` (default: all closing in the stream). Entry j pools its document's tokens j m .. (j+1) m - 1 (second
+    half of the channels, "current window") and, with overlap, j m - m .. j m - 1 (first half, "previous
+    window"; empty for j = 0). The rows needed must be present in the stream (a CP halo provides them).
+    """
+    m = ratio
+    T, CD = kv.shape
+    coff = 2 if overlap else 1
+    if CD % coff:
+        raise THDError(f"kv: last dim {CD} not divisible by coff {coff}")
+    if ape.shape != (m, CD):
+        raise THDError(f"ape: expected shape {(m, CD)}, got {tuple(ape.shape)}")
+    D = CD // coff
+    if ends is None:
+        ends = entry_ends(seg, pos, m)
+    j = (pos[ends] + 1) // m - 1                                                # [N] entry index in its doc
+    need_rows = torch.where(j > 0, coff * m, m) if overlap else torch.full_like(j, m)
+    if ends.numel() and bool((ends - need_rows + 1 < 0).any()):
+        raise THDError(f"kv: a compression window starts before the stream (halo shorter than {coff * m - 1})")
+    cur = ends[:, None] - (m - 1) + torch.arange(m)                             # [N, m] token idx, window j
+    zc = _acc(gate[cur]) + _acc(ape[None])                                   # [N, m, coff*D]
+    vc = kv[cur]
+    if not overlap:
+        logits, vals = zc, vc                                                    # [N, m, D]
+    else:
+        prev = (cur - m).clamp(min=0)                                           # [N, m] token idx, window j-1
+        has_prev = (j > 0)[:, None, None]                                        # [N, 1, 1]
+        zp = torch.where(has_prev, _acc(gate[prev])[..., :D] + _acc(ape[None, :, :D]),
+                         torch.full((), float("-inf")))                         # [N, m, D] empty -> -inf
+        vp = torch.where(has_prev, kv[prev][..., :D], torch.zeros((), dtype=kv.dtype))
+        logits = torch.cat([zp, zc[..., D:]], dim=1)                             # [N, 2m, D] slots
+        vals = torch.cat([vp, vc[..., D:]], dim=1)                               # [N, 2m, D]
+    alpha = torch.softmax(logits, dim=1)                                         # per channel over slots
+    comp = (alpha * _acc(vals)).sum(1).to(kv.dtype)                           # [N, D]
+    return comp, seg[ends], j, ends
+
+
+# ---------------------------------------------------------------------------------------------- indexer
+
+
+def causal_entry_mask(seg_q: torch.Tensor, pos_q: torch.Tensor, entry_seg: torch.Tensor, entry_j: torch.Tensor,
+                      ratio: int) -> torch.Tensor:
+    """[Tq, N] bool: entry (seg, j) is visible to query (seg_q, pos_q) iff same doc and j < (pos_q+1)//m."""
+    same = (entry_seg[None, :] == seg_q[:, None]) & (seg_q[:, None] >= 0)
+    return same & (entry_j[None, :] < ((pos_q + 1) // ratio)[:, None])
+
+
+def indexer_scores_thd(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: int,
+                       seg_q: torch.Tensor, pos_q: torch.Tensor, entry_seg: torch.Tensor,
+                       entry_j: torch.Tensor) -> torch.Tensor:
+    """I [Tq, N] fp32 (spec §7.2): sum_h w_h nI^-1/2 relu(qI_h . kI_s) cI^-1/2, -inf outside doc/causality.
+
+    qI [Tq, nI, cI], kI [N, cI], w [Tq, nI].
+    """
+    nI, cI = qI.shape[-2:]
+    dots = torch.einsum("thc,nc->thn", _acc(qI), _acc(kI))                 # [Tq, nI, N]
+    I = torch.einsum("thn,th->tn", F.relu(dots), _acc(w) * nI ** -0.5) * cI ** -0.5
+    mask = causal_entry_mask(seg_q, pos_q, entry_seg, entry_j, ratio)
+    return I.masked_fill(~mask, float("-inf"))
+
+
+def indexer_topk_thd(I: torch.Tensor, k: int) -> torch.Tensor:
+    """idx [Tq, min(k, N)] long of the k best entries, ties -> lower entry index first; -1 where not visible."""
+    k_eff = min(k, I.shape[-1])
+    vals, order = torch.sort(I, dim=-1, descending=True, stable=True)            # stable: lower index first
+    vals, order = vals[..., :k_eff], order[..., :k_eff]
+    return torch.where(torch.isinf(vals) & (vals < 0), torch.full_like(order, -1), order)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+
+def sparse_attn_thd(q: torch.Tensor, kv: torch.Tensor, q_index: torch.Tensor,
+                    seg_k: torch.Tensor, pos_k: torch.Tensor, seg_q: torch.Tensor, pos_q: torch.Tensor,
+                    comp: torch.Tensor | None, comp_idx: torch.Tensor | None,
+                    entry_seg: torch.Tensor | None, entry_j: torch.Tensor | None,
+                    sink: torch.Tensor, window: int, ratio: int, scale: float) -> torch.Tensor:
+    """One softmax per (t, h) over window keys + compressed entries + the sink logit (spec §5.2-5.3), packed.
+
+    q [Tq, H, c]; kv [Tk, c] (K = V) with metadata seg_k/pos_k [Tk]; query t is key q_index[t] (the window
+    ends there: candidates q_index[t] - n_win + 1 .. q_index[t], kept when in the same document and within
+    n_win positions). comp [N, c] with entry_seg/entry_j [N]; comp_idx [Tq, k] (CSA: indices into comp, -1 =
+    none) or None (HCA: every visible entry). Returns o [Tq, H, c] in q's dtype.
+    """
+    Tq, H, c = q.shape
+    offs = torch.arange(-(window - 1), 1)
+    widx = q_index[:, None] + offs                                              # [Tq, W] candidate keys
+    inb = widx >= 0
+    widx_c = widx.clamp(min=0)
+    wvalid = inb & (seg_k[widx_c] == seg_q[:, None]) & (seg_q[:, None] >= 0) \
+        & (pos_k[widx_c] <= pos_q[:, None]) & (pos_k[widx_c] > (pos_q - window)[:, None])
+    wkeys = kv[widx_c]                                                          # [Tq, W, c]
+    logits = [torch.einsum("thc,twc->thw", _acc(q), _acc(wkeys)) * scale]   # [Tq, H, W]
+    masks = [wvalid]
+    vals = [wkeys]
+    if comp is not None and comp.shape[0] > 0:
+        if comp_idx is not None:                                                # CSA: listed entries
+            cidx = comp_idx.clamp(min=0)
+            cvalid = (comp_idx >= 0) & (entry_seg[cidx] == seg_q[:, None]) \
+                & (entry_j[cidx] < ((pos_q + 1) // ratio)[:, None])
+            ckeys = comp[cidx]                                                  # [Tq, k, c]
+            logits.append(torch.einsum("thc,tkc->thk", _acc(q), _acc(ckeys)) * scale)
+        else:                                                                   # HCA: all visible entries
+            cvalid = causal_entry_mask(seg_q, pos_q, entry_seg, entry_j, ratio)  # [Tq, N]
+            ckeys = comp[None].expand(Tq, -1, -1)                               # [Tq, N, c] (view)
+            logits.append(torch.einsum("thc,nc->thn", _acc(q), _acc(comp)) * scale)
+        masks.append(cvalid)
+        vals.append(ckeys)
+    mask = torch.cat(masks, dim=1)                                              # [Tq, W+K]
+    lg = torch.cat(logits, dim=2).masked_fill(~mask[:, None, :], float("-inf"))  # [Tq, H, W+K]
+    lg = torch.cat([lg, _acc(sink).view(1, H, 1).expand(Tq, H, 1)], dim=2)     # + sink column
+    p = torch.softmax(lg, dim=-1)[..., :-1]                                      # drop the sink (no value)
+    v = _acc(torch.cat(vals, dim=1))                                            # [Tq, W+K, c]
+    o = torch.einsum("thk,tkc->thc", p, v)
+    return o.to(q.dtype)
