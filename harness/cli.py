@@ -1,1 +1,291 @@
-def main(): print("hi")
+"""`dsv4`: the harness command line.
+
+Every command takes `--json` (exactly one JSON document on stdout; human output and progress on stderr).
+Exit codes: 0 pass, 1 regression, 2 cannot judge / bad input (one line naming the file, slice or field).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import click
+
+LAZY = {   # commands that live beside the code they drive
+    "train": ("dsv4.harness.train", "train_cmd"),
+    "flops": ("dsv4.harness.flops", "flops_cmd"),
+    "bench": ("dsv4.harness.bench", "bench_cmd"),
+    "convert": ("dsv4.harness.convert_cli", "convert_cmd"),
+}
+
+
+class BadInput(click.ClickException):
+    exit_code = 2
+
+    def show(self, file=None):
+        click.echo(f"dsv4: error: {self.message}", err=True)
+
+
+def emit_json(doc) -> None:
+    click.echo(json.dumps(doc, indent=1, default=str))
+
+
+def _known_errors():
+    from dsv4.harness.cases import CaseError
+    from dsv4.harness.goldens import GoldenError
+    from dsv4.harness.registry import RegistryError
+    from dsv4.model.config import ConfigError
+    return (RegistryError, GoldenError, CaseError, ConfigError)
+
+
+def registry():
+    from dsv4.harness.registry import Registry
+    return Registry.load()
+
+
+class DSv4Group(click.Group):
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(LAZY))
+
+    def get_command(self, ctx, name):
+        cmd = super().get_command(ctx, name)
+        if cmd is not None or name not in LAZY:
+            return cmd
+        mod, attr = LAZY[name]
+        try:
+            return getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError) as e:
+            @click.command(name, help=f"(unavailable: {e})")
+            def _missing():
+                raise BadInput(f"command {name!r} is not available in this checkout ({e})")
+            return _missing
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except _known_errors() as e:
+            raise BadInput(str(e)) from None
+
+
+@click.group(cls=DSv4Group, context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """DeepSeek-V4 harness: slices, verification, goldens, graphs, training and benchmarks."""
+
+
+# ------------------------------------------------------------------------------------------- slices
+@main.command("slices")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+def slices_cmd(as_json):
+    """Table of slices: id, title, status, deps, number of checks, golden coverage per platform."""
+    from dsv4.harness import goldens as G
+    from dsv4.harness.registry import PLATFORMS
+    reg = registry()
+    rows = []
+    for sid in reg.order():
+        s = reg.slices[sid]
+        cov = {p: G.coverage(p, s.name) for p in PLATFORMS}
+        rows.append({"id": s.id, "title": s.title, "kind": s.kind, "status": s.status, "depends_on": s.depends_on,
+                     "dependents": reg.dependents(s.id), "provenance": s.provenance, "files": s.files,
+                     "tests": s.tests, "golden_cases": s.golden_cases,
+                     "n_checks": len(s.tests) + len(s.golden_cases), "golden_coverage": cov})
+    if as_json:
+        emit_json({"slices": rows, "rounds": reg.rounds()})
+        return
+    import pandas as pd
+    df = pd.DataFrame([{
+        "id": r["id"], "title": r["title"][:46], "cpu": r["status"]["cpu"], "h200": r["status"]["h200"],
+        "deps": ",".join(r["depends_on"]) if len(r["depends_on"]) < 6 else f"{len(r['depends_on'])} slices",
+        "tests": len(r["tests"]), "cases": len(r["golden_cases"]),
+        "goldens cpu/h200/h100/gb200": "/".join(str(r["golden_coverage"][p]) for p in PLATFORMS)} for r in rows])
+    with pd.option_context("display.max_rows", None, "display.width", 220, "display.max_colwidth", 60):
+        click.echo(df.to_string(index=False), err=True)
+
+
+# ------------------------------------------------------------------------------------------- graph
+@main.command("graph")
+@click.option("--format", "fmt", type=click.Choice(["text", "mermaid", "dot", "png", "svg"]), default="text")
+@click.option("--slice", "focus", default=None, help="Only this slice's ancestors and descendants.")
+@click.option("--rounds", is_flag=True, help="Print the publication rounds.")
+@click.option("--out", "out", type=click.Path(dir_okay=False), default=None, help="Output file (png/svg).")
+@click.option("--platform", default="cpu", type=click.Choice(["cpu", "h200", "h100", "gb200"]),
+              help="Whose status colours the nodes.")
+@click.option("--json", "as_json", is_flag=True)
+def graph_cmd(fmt, focus, rounds, out, platform, as_json):
+    """The slice dependency DAG (text tree, mermaid, dot, png, svg) and its publication rounds."""
+    from dsv4.harness import graph as GR
+    reg = registry()
+    ids = GR.subgraph_ids(reg, focus)
+    doc = {"nodes": ids, "edges": [[d, s] for s in ids for d in reg.slices[s].depends_on if d in ids]}
+    if rounds:
+        keep = set(ids)
+        rr = [[s for s in r if s in keep] for r in reg.rounds()]
+        doc["rounds"] = [r for r in rr if r]
+        if not as_json:
+            for k, r in enumerate(doc["rounds"]):
+                click.echo(f"round {k}: {' '.join(r)}", err=True)
+    if fmt in ("png", "svg"):
+        path = Path(out or f"slice_graph.{fmt}")
+        if path.suffix != f".{fmt}":
+            raise BadInput(f"--out {path}: suffix must be .{fmt}")
+        GR.draw(reg, ids, path, platform)
+        doc["file"] = str(path)
+        if not as_json:
+            click.echo(f"wrote {path}", err=True)
+    elif not rounds or fmt != "text":
+        text = {"text": GR.text_tree, "mermaid": GR.mermaid, "dot": GR.dot}[fmt](reg, ids, platform)
+        doc[fmt] = text
+        if out:
+            Path(out).write_text(text + "\n")
+            doc["file"] = out
+        if not as_json:
+            click.echo(text)
+    if as_json:
+        emit_json(doc)
+
+
+# ------------------------------------------------------------------------------------------- verify
+@main.command("verify")
+@click.option("--slice", "sid", default=None, help="Verify one slice (default: all, in dependency order).")
+@click.option("--with-deps", is_flag=True, help="Also verify the slice's ancestors, first.")
+@click.option("--platform", default="cpu", type=click.Choice(["cpu", "h200", "h100", "gb200"]))
+@click.option("--mode", default=None, type=click.Choice(["deterministic", "approximate"]),
+              help="Curve comparison mode (default: deterministic on cpu, approximate elsewhere).")
+@click.option("--report", "report_dir", type=click.Path(file_okay=False), default=None,
+              help="Write verify.json and verify.md here.")
+@click.option("--junit", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Reuse test results from this junit xml instead of running pytest again.")
+@click.option("-n", "--workers", default=0, type=int, help="pytest-xdist workers for the tests (0 = in one process).")
+@click.option("--json", "as_json", is_flag=True)
+def verify_cmd(sid, with_deps, platform, mode, report_dir, junit, workers, as_json):
+    """Run slices' tests and golden checks; print each check with its numbers and verdict."""
+    from dsv4.harness import verify as V
+    reg = registry()
+    mode = mode or ("deterministic" if platform == "cpu" else "approximate")
+    if sid is None:
+        ids = reg.order()
+    else:
+        s = reg.get(sid)
+        ids = [x for x in reg.order() if x in reg.ancestors(s.id)] + [s.id] if with_deps else [s.id]
+        if not s.implemented_on(platform):
+            doc = {"platform": platform, "verdict": V.CANNOT_JUDGE, "exit_code": 2,
+                   "slices": [{"id": s.id, "verdict": V.CANNOT_JUDGE, "status": s.status[platform],
+                               "detail": f"slice {s.id} is {s.status[platform]} on {platform}: nothing to judge"}]}
+            click.echo(f"dsv4: slice {s.id} is {s.status[platform]} on {platform}: cannot judge", err=True)
+            if as_json:
+                emit_json(doc)
+            sys.exit(2)
+    doc = V.verify(reg, ids, platform, mode, Path(junit) if junit else None, workers,
+                   only_implemented=True)
+    if report_dir:
+        p = V.write_report(doc, Path(report_dir))
+        click.echo(f"report: {p}", err=True)
+    click.echo(f"verify {platform}: {doc['verdict'].upper()} "
+               f"({sum(s['verdict'] == 'pass' for s in doc['slices'])} pass, "
+               f"{sum(s['verdict'] == 'regression' for s in doc['slices'])} regression, "
+               f"{sum(s['verdict'] == 'cannot-judge' for s in doc['slices'])} cannot judge, "
+               f"{sum(s['verdict'] == 'skipped' for s in doc['slices'])} not implemented) in {doc['elapsed_s']}s",
+               err=True)
+    if as_json:
+        emit_json(doc)
+    sys.exit(doc["exit_code"])
+
+
+# ------------------------------------------------------------------------------------------- goldens
+@main.group("goldens")
+def goldens_grp():
+    """Golden store: diff, regen (the only way goldens change), import (Megatron TensorBoard runs)."""
+
+
+@goldens_grp.command("regen")
+@click.option("--slice", "sid", required=True)
+@click.option("--platform", default="cpu", type=click.Choice(["cpu", "h200", "h100", "gb200"]))
+@click.option("--case", "cases", multiple=True, help="Only these cases.")
+@click.option("--json", "as_json", is_flag=True)
+def regen_cmd(sid, platform, cases, as_json):
+    """Rerun a slice's golden cases and rewrite its goldens (atomic), printing the diff."""
+    from dsv4.harness import verify as V
+    reg = registry()
+    changes = V.regen(reg, reg.get(sid), platform, list(cases) or None)
+    if as_json:
+        emit_json({"slice": reg.get(sid).id, "platform": platform, "changes": changes})
+
+
+@goldens_grp.command("diff")
+@click.option("--slice", "sid", required=True)
+@click.option("--platform", default="cpu", type=click.Choice(["cpu", "h200", "h100", "gb200"]))
+@click.option("--json", "as_json", is_flag=True)
+def diff_cmd(sid, platform, as_json):
+    """Rerun a slice's golden cases and show what a regen would change (writes nothing). Exit 1 if changed."""
+    from dsv4.harness import goldens as G
+    from dsv4.harness import verify as V
+    from dsv4.harness.cases import MAX_ELEMS
+    reg = registry()
+    sl = reg.get(sid)
+    out, changed = [], False
+    for c in V.load_cases(sl):
+        if platform not in c.platforms or c.name not in sl.golden_cases:
+            continue
+        enc = G.encode_outputs(c.run(V.PLATFORM_DEVICE[platform]), MAX_ELEMS)
+        old = G.load_case(platform, sl.name, c.name)
+        lines = G.diff_outputs(old["outputs"] if old else None, enc)
+        changed |= lines != ["  = unchanged"]
+        click.echo(f"{sl.id}/{c.name}:", err=True)
+        for line in lines:
+            click.echo(line, err=True)
+        out.append({"case": c.name, "diff": lines})
+    if as_json:
+        emit_json({"slice": sl.id, "platform": platform, "changed": changed, "cases": out})
+    sys.exit(1 if changed else 0)
+
+
+@goldens_grp.command("import")
+@click.argument("logdir", type=click.Path(exists=True, file_okay=False))
+@click.option("--platform", required=True, type=click.Choice(["cpu", "h200", "h100", "gb200"]))
+@click.option("--slice", "sid", required=True, help="Slice the curve belongs to (e.g. D9).")
+@click.option("--name", required=True, help="Golden name, e.g. proxy_curve.")
+@click.option("--step-interval", default=1, type=int)
+@click.option("--metrics", default=None, help="Comma list (default: all Megatron golden metrics found).")
+@click.option("--json", "as_json", is_flag=True)
+def import_cmd(logdir, platform, sid, name, step_interval, metrics, as_json):
+    """Read a Megatron run's TensorBoard event files into a golden (Megatron golden-values JSON)."""
+    from dsv4.harness import tbimport
+    reg = registry()
+    sl = reg.get(sid)
+    path, doc = tbimport.import_run(Path(logdir), platform, sl, name, step_interval,
+                                    metrics.split(",") if metrics else None)
+    click.echo(f"wrote {path} ({', '.join(doc)})", err=True)
+    if as_json:
+        emit_json({"file": str(path), "metrics": {k: len(v["values"]) for k, v in doc.items()}})
+
+
+# ------------------------------------------------------------------------------------------- compare
+@main.command("compare")
+@click.argument("run", type=click.Path(exists=True))
+@click.argument("golden", type=click.Path(exists=True))
+@click.option("--mode", default="deterministic", type=click.Choice(["deterministic", "approximate"]))
+@click.option("--metrics", default=None, help="Comma list (default: every metric in the golden).")
+@click.option("--report", "report_dir", type=click.Path(file_okay=False), default=None,
+              help="Write a Markdown report with PNG plots here.")
+@click.option("--json", "as_json", is_flag=True)
+def compare_cmd(run, golden, mode, metrics, report_dir, as_json):
+    """Compare a run's curves (Megatron golden-values JSON or a run dir) with a golden, per metric."""
+    from dsv4.harness import report as R
+    doc = R.compare_files(Path(run), Path(golden), mode, metrics.split(",") if metrics else None)
+    for r in doc["checks"]:
+        tol = "exact" if r.get("atol") == 0 and r.get("rtol") == 0 else f"rtol {r.get('rtol')}"
+        click.echo(f"  [{r['verdict'].upper():4}] {r['check']:24} max|abs| {r.get('max_abs', float('nan')):.3e} "
+                   f"max|rel| {r.get('max_rel', float('nan')):.3e} tol {tol}"
+                   + (f" failing {r.get('n_failing')}/{r.get('steps')} (allowed {r.get('allowed_failures')})"
+                      if r.get("steps") else ""), err=True)
+    if report_dir:
+        doc["report"] = str(R.write_report(doc, Path(report_dir)))
+        click.echo(f"report: {doc['report']}", err=True)
+    click.echo(f"compare: {doc['verdict'].upper()}", err=True)
+    if as_json:
+        emit_json(doc)
+    sys.exit(doc["exit_code"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The slice dependency DAG: text tree, Mermaid, Graphviz dot, and a PNG/SVG drawn with networkx + matplotlib."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import networkx as nx
+
+from .registry import Registry
+
+STATUS_COLOURS = {"planned": "#d9d9d9", "implemented": "#9ecae1", "verified": "#74c476"}
+
+
+def subgraph_ids(reg: Registry, focus: str | None) -> list[str]:
+    if focus is None:
+        return reg.order()
+    sid = reg.get(focus).id
+    keep = reg.ancestors(sid) | reg.descendants(sid) | {sid}
+    return [s for s in reg.order() if s in keep]
+
+
+def to_nx(reg: Registry, ids: list[str]) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for sid in ids:
+        g.add_node(sid)
+    for sid in ids:
+        for d in reg.slices[sid].depends_on:
+            if d in ids:
+                g.add_edge(d, sid)        # base -> dependent
+    return g
+
+
+def text_tree(reg: Registry, ids: list[str], platform: str = "cpu") -> str:
+    """Each slice with its status, then its direct bases; roots first (dependency order)."""
+    keep = set(ids)
+    lines = []
+    for sid in ids:
+        s = reg.slices[sid]
+        deps = [d for d in s.depends_on if d in keep]
+        mark = {"planned": " ", "implemented": "*", "verified": "+"}[s.status[platform]]
+        lines.append(f"[{mark}] {sid:6} {s.title}")
+        for i, d in enumerate(deps):
+            lines.append(f"     {'└──' if i == len(deps) - 1 else '├──'} needs {d}")
+    lines.append(f"legend: [+] verified  [*] implemented  [ ] planned  (platform {platform})")
+    return "\n".join(lines)
+
+
+def mermaid(reg: Registry, ids: list[str], platform: str = "cpu") -> str:
+    def nid(s):
+        return "X" + s[1:] if s.startswith("#") else s
+    out = ["graph TD"]
+    for sid in ids:
+        s = reg.slices[sid]
+        shape = ("[[", "]]") if s.kind == "external" else ("[", "]")
+        out.append(f'  {nid(sid)}{shape[0]}"{sid}: {s.title[:40]}"{shape[1]}:::{s.status[platform]}')
+    g = to_nx(reg, ids)
+    for a, b in g.edges:
+        out.append(f"  {nid(a)} --> {nid(b)}")
+    for st, col in STATUS_COLOURS.items():
+        out.append(f"  classDef {st} fill:{col}")
+    return "\n".join(out)
+
+
+def dot(reg: Registry, ids: list[str], platform: str = "cpu") -> str:
+    out = ["digraph slices {", "  rankdir=LR;", '  node [style=filled, fontname="Helvetica"];']
+    for sid in ids:
+        s = reg.slices[sid]
+        shape = "box, peripheries=2, style=\"filled,dashed\"" if s.kind == "external" else "box"
+        out.append(f'  "{sid}" [label="{sid}\\n{s.title[:32]}", shape={shape}, '
+                   f'fillcolor="{STATUS_COLOURS[s.status[platform]]}"];')
+    for a, b in to_nx(reg, ids).edges:
+        out.append(f'  "{a}" -> "{b}";')
+    out.append("}")
+    return "\n".join(out)
+
+
+def layered_positions(reg: Registry, ids: list[str]) -> dict[str, tuple[float, float]]:
+    """x = publication round, y spread evenly within a round."""
+    keep = set(ids)
+    pos = {}
+    for k, rnd in enumerate(reg.rounds()):
+        col = [s for s in rnd if s in keep]
+        for i, sid in enumerate(col):
+            pos[sid] = (k * 3.0, (len(col) - 1) / 2.0 - i)
+    return pos
+
+
+def draw(reg: Registry, ids: list[str], path: Path, platform: str = "cpu") -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    g = to_nx(reg, ids)
+    pos = layered_positions(reg, ids)
+    n_rounds = len({x for x, _ in pos.values()})
+    tallest = max(sum(1 for p in pos.values() if p[0] == x) for x in {p[0] for p in pos.values()})
+    fig, ax = plt.subplots(figsize=(max(8, 3.2 * n_rounds), max(5, 1.1 * tallest + 1.5)), dpi=110)
+    for kind, shape in (("external", "s"), ("prerequisite", "o"), ("dsv4", "D")):
+        nodes = [n for n in g.nodes if reg.slices[n].kind == kind]
+        if not nodes:
+            continue
+        nx.draw_networkx_nodes(
+            g, pos, nodelist=nodes, node_shape=shape, node_size=1500, ax=ax,
+            node_color=[STATUS_COLOURS[reg.slices[n].status[platform]] for n in nodes],
+            edgecolors="#b2182b" if kind == "external" else "#333333",
+            linewidths=2.5 if kind == "external" else 1.2)
+    nx.draw_networkx_edges(g, pos, ax=ax, arrows=True, arrowsize=14, edge_color="#777777", node_size=1500,
+                           connectionstyle="arc3,rad=0.08")
+    nx.draw_networkx_labels(g, pos, ax=ax, font_size=10, font_weight="bold")
+    for x in sorted({p[0] for p in pos.values()}):
+        ax.text(x, max(p[1] for p in pos.values()) + 0.9, f"round {int(x // 3)}", ha="center", fontsize=10,
+                color="#555555")
+    handles = [Patch(facecolor=c, edgecolor="#333", label=f"{s} ({platform})") for s, c in STATUS_COLOURS.items()]
+    handles += [plt.Line2D([], [], marker="s", ls="", mfc="white", mec="#b2182b", mew=2.5, ms=12,
+                           label="external prerequisite"),
+                plt.Line2D([], [], marker="o", ls="", mfc="white", mec="#333", ms=12, label="fresh prerequisite (P)"),
+                plt.Line2D([], [], marker="D", ls="", mfc="white", mec="#333", ms=11, label="DSv4 slice (D)")]
+    ax.legend(handles=handles, loc="lower left", fontsize=9, frameon=True)
+    ax.set_title("DSv4 merge plan: slices by publication round (arrows: base → dependent)", fontsize=12)
+    ax.axis("off")
+    ys = [p[1] for p in pos.values()]
+    ax.set_ylim(min(ys) - 2.2, max(ys) + 1.4)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format=path.suffix.lstrip("."))
+    plt.close(fig)
+    return path

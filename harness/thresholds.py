@@ -1,0 +1,103 @@
+"""The one threshold table, as Megatron-LM's functional tests (`CHECK_THRESHOLDS`, megatron_dsv4.md §3.3).
+
+Two modes:
+- deterministic: every golden step must equal exactly (rtol = atol = 0); used for CPU goldens, which are
+  bit-exact run to run, and for the H200 curve when a run is made with deterministic algorithms;
+- approximate: per-metric rtol, and a number of failing steps allowed: min(max(n // 100, 1), 50).
+`iteration-time` is compared as one value, the median over a steady window (steps 5..20 when the last golden
+step is <= 25, else 30..45; fallback: the first 4 finite steps after the window start). FLOPs are exact.
+Missing values ("nan") count as +inf, so a missing step never passes.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+# metric -> {mode: (atol, rtol)}; "deterministic" entries are exact.
+CHECK_THRESHOLDS: dict[str, dict[str, tuple[float, float]]] = {
+    "iteration-time": {"approximate": (0.0, 0.05)},
+    "mem-allocated-bytes": {"approximate": (0.0, 0.05)},
+    "mem-max-allocated-bytes": {"approximate": (0.0, 0.05)},
+    "lm loss": {"deterministic": (0.0, 0.0), "approximate": (0.0, 0.05)},
+    "mtp_1 loss": {"deterministic": (0.0, 0.0), "approximate": (0.0, 0.05)},
+    "mtp_2 loss": {"deterministic": (0.0, 0.0), "approximate": (0.0, 0.05)},
+    "total loss": {"deterministic": (0.0, 0.0), "approximate": (0.0, 0.05)},
+    "indexer loss": {"deterministic": (0.0, 0.0), "approximate": (0.0, 0.05)},
+    "num-zeros": {"deterministic": (0.0, 0.0), "approximate": (0.0, 0.20)},
+    "flops": {"deterministic": (0.0, 0.0), "approximate": (0.0, 0.0)},   # FLOPs are always exact
+}
+DEFAULT_METRICS = ("lm loss", "num-zeros")
+MODES = ("deterministic", "approximate")
+
+
+def allowed_failures(n: int) -> int:
+    return min(max(n // 100, 1), 50)
+
+
+def _num(v) -> float:
+    if isinstance(v, str):
+        return math.inf          # "nan" in the golden format = missing
+    v = float(v)
+    return math.inf if math.isnan(v) else v
+
+
+def _isclose(a: float, b: float, atol: float, rtol: float) -> bool:
+    if math.isinf(a) or math.isinf(b):
+        return a == b            # as np.isclose: inf matches only inf
+    return abs(a - b) <= atol + rtol * abs(b)
+
+
+def steady_window(golden_steps: list[int]) -> list[int]:
+    finite = sorted(golden_steps)
+    if not finite:
+        return []
+    lo, hi = (5, 21) if finite[-1] <= 25 else (30, 46)
+    win = [s for s in finite if lo <= s < hi]
+    return win or [s for s in finite if s >= lo][:4]
+
+
+def compare_metric(metric: str, golden: dict, actual: dict | None, mode: str) -> dict:
+    """Compare one metric (Megatron golden format). Returns a check record with a verdict pass|fail."""
+    if mode not in MODES:
+        raise ValueError(f"mode: {mode!r} is not one of {MODES}")
+    rec = {"check": metric, "kind": "curve", "mode": mode}
+    if metric not in CHECK_THRESHOLDS:
+        rec.update(verdict="fail", detail=f"no threshold for metric {metric!r} in CHECK_THRESHOLDS")
+        return rec
+    table = CHECK_THRESHOLDS[metric]
+    if mode not in table:       # e.g. iteration-time has no deterministic test: it is approximate always
+        mode = "approximate"
+        rec["mode"] = mode
+    atol, rtol = table[mode]
+    gvals = {int(k): _num(v) for k, v in golden["values"].items()}
+    avals = {int(k): _num(v) for k, v in (actual or {}).get("values", {}).items()}
+    rec.update(atol=atol, rtol=rtol)
+    if actual is None:
+        rec.update(verdict="fail", detail="metric missing from the run")
+        return rec
+    if metric == "iteration-time":
+        win = steady_window([s for s, v in gvals.items() if math.isfinite(v)])
+        g = statistics.median(gvals[s] for s in win) if win else math.inf
+        a_list = [avals.get(s, math.inf) for s in win]
+        a = statistics.median(a_list) if a_list else math.inf
+        ok = _isclose(a, g, atol, rtol)
+        rec.update(verdict="pass" if ok else "fail", golden=g, actual=a, window=[win[0], win[-1]] if win else [],
+                   max_abs=abs(a - g) if math.isfinite(a) and math.isfinite(g) else math.inf,
+                   max_rel=abs(a - g) / abs(g) if math.isfinite(a) and g else math.inf)
+        return rec
+    steps = sorted(gvals)
+    bad, max_abs, max_rel = [], 0.0, 0.0
+    for s in steps:
+        g, a = gvals[s], avals.get(s, math.inf)
+        if math.isfinite(g) and math.isfinite(a):
+            max_abs = max(max_abs, abs(a - g))
+            max_rel = max(max_rel, abs(a - g) / abs(g) if g else (0.0 if a == g else math.inf))
+        elif not (math.isinf(g) and math.isinf(a)):
+            max_abs = max_rel = math.inf
+        ok = _isclose(a, g, atol, rtol)
+        if not ok:
+            bad.append(s)
+    allowed = 0 if (mode == "deterministic" or len(steps) == 1) else allowed_failures(len(steps))
+    rec.update(verdict="pass" if len(bad) <= allowed else "fail", steps=len(steps), failing_steps=bad[:20],
+               n_failing=len(bad), allowed_failures=allowed, max_abs=max_abs, max_rel=max_rel)
+    return rec

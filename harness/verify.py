@@ -1,0 +1,283 @@
+"""`dsv4 verify`: run a slice's tests and golden checks; every check is printed with its numbers and verdict.
+
+Verdicts per slice: pass (>= 1 check, all pass), regression (a check failed), cannot-judge (no checks, a missing
+golden for the platform, a platform whose device is absent, a case that crashed). Exit code: 1 if any slice
+regressed, else 2 if any could not be judged, else 0.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import torch
+
+from . import goldens as G
+from .cases import MAX_ELEMS, CaseError, collect
+from .registry import REPO, Registry, Slice
+
+PASS, REGRESSION, CANNOT_JUDGE, SKIPPED = "pass", "regression", "cannot-judge", "skipped"
+PLATFORM_DEVICE = {"cpu": "cpu", "h200": "cuda", "h100": "cuda", "gb200": "cuda"}
+
+
+def log(msg: str = "") -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------- tests
+def _module_of(test_path: str) -> str:
+    return test_path[:-3].replace("/", ".") if test_path.endswith(".py") else test_path.replace("/", ".")
+
+
+def run_pytest(paths: list[str], workers: int = 0) -> Path:
+    """Run pytest on `paths`, return the junit xml path (in a temp dir)."""
+    out = Path(tempfile.mkdtemp(prefix="dsv4-verify-")) / "junit.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={out}",
+           "-o", "junit_family=xunit1", *paths]
+    if workers:
+        cmd[4:4] = ["-n", str(workers)]
+    log(f"running: {' '.join(cmd[3:])}")
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    log(f"pytest exit {proc.returncode} in {time.time() - t0:.1f}s")
+    if not out.exists():
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
+        raise RuntimeError("pytest wrote no junit report: " + " | ".join(tail))
+    return out
+
+
+def parse_junit(path: Path) -> list[dict]:
+    """Testcases of a junit xml as {file, module, name, verdict, time, detail}."""
+    try:
+        root = ET.parse(path).getroot()
+    except (ET.ParseError, OSError) as e:
+        raise ValueError(f"{path}: not a readable junit xml ({e})") from None
+    out = []
+    for tc in root.iter("testcase"):
+        verdict, detail = "pass", ""
+        for tag, v in (("failure", "fail"), ("error", "fail"), ("skipped", "skip")):
+            el = tc.find(tag)
+            if el is not None:
+                verdict, detail = v, (el.get("message") or "").splitlines()[0][:200] if el.get("message") else tag
+                break
+        out.append({"file": tc.get("file", ""), "module": tc.get("classname", ""), "name": tc.get("name", ""),
+                    "verdict": verdict, "time": float(tc.get("time", 0) or 0), "detail": detail})
+    return out
+
+
+def test_checks(sl: Slice, junit_cases: list[dict]) -> list[dict]:
+    recs = []
+    for path in sl.tests:
+        mod = _module_of(path)
+        mine = [c for c in junit_cases if c["file"] == path or c["module"] == mod or c["module"].startswith(mod + ".")]
+        if not mine:
+            recs.append({"check": path, "kind": "test", "verdict": "missing",
+                         "detail": "no test results for this file (collection error or not run)"})
+        for c in mine:
+            recs.append({"check": f"{path}::{c['name']}", "kind": "test", "verdict": c["verdict"],
+                         "time_s": round(c["time"], 3), "detail": c["detail"]})
+    return recs
+
+
+# ------------------------------------------------------------------------------------------- goldens
+def load_cases(sl: Slice):
+    mod_name = f"dsv4.slices.{sl.name}.cases"
+    if not (sl.folder / "cases.py").exists():
+        return []
+    return collect(lambda: importlib.import_module(mod_name))
+
+
+def golden_checks(sl: Slice, platform: str, mode: str) -> list[dict]:
+    recs: list[dict] = []
+    try:
+        cases = {c.name: c for c in load_cases(sl)}
+    except Exception as e:  # noqa: BLE001 - a broken cases module is "cannot judge" with its reason
+        return [{"check": f"{sl.name}/cases.py", "kind": "golden", "verdict": "error",
+                 "detail": f"cannot import cases: {type(e).__name__}: {e}"}]
+    declared = list(sl.golden_cases)
+    for name in declared:
+        if name not in cases:
+            recs.append({"check": name, "kind": "golden", "verdict": "error",
+                         "detail": f"manifest lists golden case {name!r} but slices/{sl.name}/cases.py does not define it"})
+    for name in sorted(set(cases) - set(declared)):
+        recs.append({"check": name, "kind": "golden", "verdict": "error",
+                     "detail": f"cases.py defines {name!r} but the manifest's golden_cases does not list it"})
+    device = PLATFORM_DEVICE[platform]
+    for name in declared:
+        case = cases.get(name)
+        if case is None or platform not in case.platforms:
+            continue
+        try:
+            golden = G.load_case(platform, sl.name, name)
+        except G.GoldenError as e:
+            recs.append({"check": name, "kind": "golden", "verdict": "error", "detail": str(e)})
+            continue
+        if golden is None:
+            recs.append({"check": name, "kind": "golden", "verdict": "missing",
+                         "detail": f"no golden goldens/{platform}/{sl.name}/{name}.json (run: dsv4 goldens regen "
+                                   f"--slice {sl.id} --platform {platform})"})
+            continue
+        if device == "cuda" and not torch.cuda.is_available():
+            recs.append({"check": name, "kind": "golden", "verdict": "missing",
+                         "detail": f"platform {platform} needs a CUDA device; none here"})
+            continue
+        t0 = time.time()
+        try:
+            out = case.run(device)
+        except Exception as e:  # noqa: BLE001
+            recs.append({"check": name, "kind": "golden", "verdict": "error",
+                         "detail": f"case raised {type(e).__name__}: {e}"})
+            log(traceback.format_exc())
+            continue
+        dt = time.time() - t0
+        gouts = golden["outputs"]
+        for oname in sorted(set(gouts) | set(out)):
+            if oname not in gouts:
+                recs.append({"check": f"{name}.{oname}", "kind": "golden", "verdict": "fail",
+                             "detail": "output not in the golden (regen needed?)"})
+                continue
+            r = G.compare_output(oname, gouts[oname], out.get(oname), case.tol, mode)
+            r["check"] = f"{name}.{oname}"
+            r["time_s"] = round(dt, 3)
+            recs.append(r)
+    return recs
+
+
+def slice_verdict(recs: list[dict]) -> str:
+    counted = [r for r in recs if r["verdict"] != "skip"]
+    if any(r["verdict"] == "fail" for r in counted):
+        return REGRESSION
+    if not counted or any(r["verdict"] in ("missing", "error") for r in counted):
+        return CANNOT_JUDGE
+    return PASS
+
+
+def fmt(r: dict) -> str:
+    tag = {"pass": "PASS", "fail": "FAIL", "skip": "SKIP", "missing": "MISSING", "error": "ERROR"}[r["verdict"]]
+    s = f"  [{tag:7}] {r['kind']:6} {r['check']}"
+    if "max_abs" in r:
+        tol = "exact" if r.get("exact") or (r.get("atol") == 0 and r.get("rtol") == 0) else \
+            f"atol {r.get('atol')}, rtol {r.get('rtol')}"
+        s += f"  max|abs| {r['max_abs']:.3e}  max|rel| {r['max_rel']:.3e}  tol {tol}"
+    if r.get("detail") and r["verdict"] != "pass":
+        s += f"  -- {r['detail']}"
+    return s
+
+
+def verify(reg: Registry, ids: list[str], platform: str, mode: str, junit: Path | None = None,
+           workers: int = 0, only_implemented: bool = True) -> dict:
+    """Verify slices `ids` (already in dependency order). Returns the JSON-able result document."""
+    results, t_start = [], time.time()
+    todo = [reg.get(i) for i in ids]
+    runnable = [s for s in todo if s.implemented_on(platform) or not only_implemented]
+    test_paths = [t for s in runnable for t in s.tests]
+    junit_cases: list[dict] = []
+    if test_paths and platform == "cpu" or (test_paths and torch.cuda.is_available()):
+        if junit is not None:
+            junit_cases = parse_junit(junit)
+            log(f"using test results from {junit} ({len(junit_cases)} testcases)")
+        else:
+            junit_cases = parse_junit(run_pytest(test_paths, workers))
+    for s in todo:
+        t0 = time.time()
+        if s not in runnable:
+            log(f"{s.id:6} {s.title}\n  [SKIP   ] status on {platform} is {s.status[platform]}")
+            results.append({"id": s.id, "verdict": SKIPPED, "status": s.status[platform], "checks": [],
+                            "detail": f"status on {platform} is {s.status[platform]}"})
+            continue
+        recs = []
+        if platform == "cpu" or torch.cuda.is_available():
+            recs += test_checks(s, junit_cases)
+        recs += golden_checks(s, platform, mode)
+        v = slice_verdict(recs)
+        log(f"{s.id:6} {s.title}")
+        for r in recs:
+            log(fmt(r))
+        n_pass = sum(r["verdict"] == "pass" for r in recs)
+        log(f"  => {v.upper()} ({n_pass}/{len(recs)} checks pass, {time.time() - t0:.1f}s)")
+        results.append({"id": s.id, "verdict": v, "status": s.status[platform], "checks": recs,
+                        "n_checks": len(recs), "n_pass": n_pass})
+    verdicts = [r["verdict"] for r in results]
+    if REGRESSION in verdicts:
+        overall, code = REGRESSION, 1
+    elif CANNOT_JUDGE in verdicts or not any(v == PASS for v in verdicts):
+        overall, code = CANNOT_JUDGE, 2
+    else:
+        overall, code = PASS, 0
+    return {"platform": platform, "mode": mode, "verdict": overall, "exit_code": code,
+            "elapsed_s": round(time.time() - t_start, 2), "slices": results,
+            "provenance": G.provenance(platform)}
+
+
+def write_report(doc: dict, out_dir: Path) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    G.atomic_write_json(out_dir / "verify.json", doc)
+    lines = [f"# dsv4 verify — platform `{doc['platform']}` — **{doc['verdict']}**", "",
+             f"git `{doc['provenance']['git_sha'][:12]}`, torch {doc['provenance']['torch']}, "
+             f"{doc['elapsed_s']} s, mode {doc['mode']}", "",
+             "| slice | verdict | checks passing |", "|---|---|---|"]
+    for s in doc["slices"]:
+        lines.append(f"| {s['id']} | {s['verdict']} | {s.get('n_pass', 0)}/{s.get('n_checks', 0)} |")
+    lines.append("")
+    for s in doc["slices"]:
+        if s["checks"]:
+            lines += [f"## {s['id']}", "", "| check | kind | max abs | max rel | tol | verdict |",
+                      "|---|---|---|---|---|---|"]
+            for r in s["checks"]:
+                tol = "exact" if r.get("exact") else (f"{r.get('atol')}/{r.get('rtol')}" if "atol" in r else "")
+                ma = f"{r['max_abs']:.2e}" if "max_abs" in r else ""
+                mr = f"{r['max_rel']:.2e}" if "max_rel" in r else ""
+                lines.append(f"| `{r['check']}` | {r['kind']} | {ma} | {mr} | {tol} | {r['verdict']} |")
+            lines.append("")
+    G.atomic_write_text(out_dir / "verify.md", "\n".join(lines) + "\n")
+    return out_dir / "verify.md"
+
+
+# ------------------------------------------------------------------------------------------- regen
+def regen(reg: Registry, sl: Slice, platform: str, cases_filter: list[str] | None = None) -> list[dict]:
+    """Rerun the slice's golden cases and rewrite their goldens atomically, printing the diff."""
+    device = PLATFORM_DEVICE[platform]
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CaseError(f"platform {platform}: needs a CUDA device to regenerate goldens; none here")
+    cases = {c.name: c for c in load_cases(sl)}
+    if not cases:
+        raise CaseError(f"slice {sl.id}: slices/{sl.name}/cases.py defines no golden cases")
+    missing = [n for n in sl.golden_cases if n not in cases]
+    if missing:
+        raise CaseError(f"slice {sl.id}: manifest golden_cases lists {missing[0]!r}, not defined in cases.py")
+    names = cases_filter or list(sl.golden_cases) or sorted(cases)
+    # compute everything first, write afterwards: a crash leaves every golden as it was
+    computed = []
+    for n in names:
+        if n not in cases:
+            raise CaseError(f"slice {sl.id}: no golden case {n!r}")
+        c = cases[n]
+        if platform not in c.platforms:
+            continue
+        log(f"running case {sl.id}/{n} on {platform} ...")
+        out = c.run(device)
+        for k, v in out.items():
+            is_float = (isinstance(v, torch.Tensor) and v.dtype.is_floating_point) or isinstance(v, float)
+            if is_float and k not in c.tol:
+                raise CaseError(f"golden case {n}: floating output {k!r} has no tolerance in tol=")
+        computed.append((n, G.encode_outputs(out, MAX_ELEMS)))
+    changes = []
+    for n, enc in computed:
+        old = G.load_case(platform, sl.name, n)
+        lines = G.diff_outputs(old["outputs"] if old else None, enc)
+        doc = {"format": G.FORMAT, "slice": sl.id, "case": n, "platform": platform,
+               "provenance": G.provenance(platform, command=f"dsv4 goldens regen --slice {sl.id} --platform {platform}"),
+               "outputs": enc}
+        G.atomic_write_json(G.case_path(platform, sl.name, n), doc)
+        log(f"goldens/{platform}/{sl.name}/{n}.json")
+        for line in lines:
+            log(line)
+        changes.append({"case": n, "path": str(G.case_path(platform, sl.name, n).relative_to(REPO)), "diff": lines})
+    return changes
