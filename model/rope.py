@@ -1,0 +1,134 @@
+"""Interleaved partial RoPE on the LAST r dims of a head, with the two DSv4 tables (spec §5.1, §5.4, §5.6).
+
+* Layout of a head: `[nope (c - r) | rope (r)]`; the rope slice is rotated as r/2 complex numbers formed by the
+  pairs (2i, 2i+1) ("interleaved", DeepSeek's `view_as_complex`; HF's `repeat_interleave` + `rotate_half`):
+      (x_{2i}, x_{2i+1}) -> (x_{2i} cos(p θ_i) - x_{2i+1} sin(p θ_i),  x_{2i} sin(p θ_i) + x_{2i+1} cos(p θ_i))
+  The rotation runs in fp32 (cos/sin stay fp32) and the result is cast back to x's dtype once.
+* Inverse rotation (spec §5.4, the attention output rotated back by the QUERY position) = rotation by -p.
+* Tables (`inv_freq`, r/2 entries):
+    "main"     θ_i = rope_theta^{-2i/r}, no scaling: window-only layers and the MTP layer;
+    "compress" θ_i = compress_rope_theta^{-2i/r} with YaRN (spec §5.6): CSA / HCA layers, their compressors and
+               the indexer. YaRN blends θ_i/factor and θ_i with a linear ramp over i in [low, high] (Flash: 15, 25);
+               NO magnitude (mscale) scaling of cos/sin and no change of the softmax scale.
+* The width of the cos/sin table must equal the rotated width r: a mismatch is refused with one line (the silent
+  "8 of 64 dims rotated" bug of Megatron-Bridge #4271 came from a table built for r * partial_rotary_factor dims).
+* Positions are any integer tensor (packed sequences restart them per document).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import ConfigError, DSv4Config
+
+
+class RopeError(ValueError):
+    """A RoPE shape / table mismatch (one line)."""
+
+
+# --------------------------------------------------------------------------------------------- tables (§5.6)
+
+def yarn_correction_range(rope_dim: int, base: float, original_max_pos: float, beta_fast: float,
+                          beta_slow: float) -> tuple[float, float]:
+    """(low, high) pair indices of the YaRN ramp: floor / ceil of the correction dims, clamped to [0, r-1]."""
+    def corr(nrot: float) -> float:
+        return rope_dim * math.log(original_max_pos / (nrot * 2 * math.pi)) / (2 * math.log(base))
+
+    return max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), rope_dim - 1)
+
+
+def rope_inv_freq(rope_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """Inverse frequencies [r/2] fp32: θ_i = theta^{-2i/r}, optionally YaRN-blended (spec §5.6)."""
+    if rope_dim <= 0 or rope_dim % 2:
+        raise RopeError(f"rope: rope_dim must be a positive even number, got {rope_dim}")
+    pos_freqs = theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)   # theta^{2i/r}
+    if not scaling:
+        return 1.0 / pos_freqs
+    kind = scaling.get("type", scaling.get("rope_type"))
+    if kind != "yarn":
+        raise RopeError(f"rope: rope_scaling type must be 'yarn' (or rope_scaling None), got {kind!r}")
+    factor = float(scaling["factor"])
+    low, high = yarn_correction_range(rope_dim, theta, scaling["original_max_position_embeddings"],
+                                      scaling.get("beta_fast", 32.0), scaling.get("beta_slow", 1.0))
+    if low == high:
+        high += 0.001                                                       # avoid a zero-width ramp
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp                                                         # weight of the unscaled θ_i
+    # same operation order as HF's `_compute_yarn_parameters`, so the table is bit-identical to it
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def rope_table_name(cfg: DSv4Config, layer_idx: int) -> str:
+    """'main' for window-only layers (and a window-only MTP layer), 'compress' for CSA / HCA layers."""
+    return "main" if cfg.layer_kind(layer_idx) == "window" else "compress"
+
+
+def inv_freq_for(cfg: DSv4Config, table: str) -> torch.Tensor:
+    """The [r/2] fp32 inverse frequencies of table 'main' or 'compress' for this config."""
+    if table == "main":
+        return rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, None)
+    if table == "compress":
+        return rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
+    raise ConfigError(f"rope: table must be 'main' or 'compress', got {table!r}")
+
+
+# --------------------------------------------------------------------------------------------- rotation
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [*positions.shape, r/2] fp32 of angles positions * θ."""
+    if positions.is_floating_point():
+        raise RopeError(f"rope: positions must be an integer tensor, got {positions.dtype}")
+    ang = positions.to(torch.float32)[..., None] * inv_freq.to(device=positions.device, dtype=torch.float32)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope_cos_sin(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
+                       inverse: bool = False) -> torch.Tensor:
+    """Rotate the last `rope_dim` dims of x (pairs (2i, 2i+1)); cos/sin [..., r/2] broadcast to x[..., :r/2]."""
+    if cos.shape[-1] * 2 != rope_dim or sin.shape[-1] != cos.shape[-1]:
+        raise RopeError(f"rope: cos/sin table covers {2 * cos.shape[-1]} dims but the rotated width is "
+                        f"{rope_dim} (partial-rotary misconfiguration, cf. Megatron-Bridge #4271)")
+    if rope_dim % 2 or rope_dim > x.shape[-1]:
+        raise RopeError(f"rope: rope_dim {rope_dim} must be even and <= head dim {x.shape[-1]}")
+    nope, rope = x[..., : x.shape[-1] - rope_dim], x[..., x.shape[-1] - rope_dim:]
+    pairs = rope.float().unflatten(-1, (rope_dim // 2, 2))                  # [..., r/2, 2]
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    if inverse:
+        sin = -sin
+    rot = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)   # [..., r] fp32
+    return torch.cat([nope, rot.to(x.dtype)], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
+               inverse: bool = False) -> torch.Tensor:
+    """Rotate the last `rope_dim` dims of x by `positions` (inverse: by -positions).
+
+    positions' shape is a prefix of x's shape (e.g. [S] for SBHD x [S,B,H,c] or compressed [T,B,c], or [S,B]);
+    the remaining dims are broadcast.
+    """
+    if tuple(positions.shape) != tuple(x.shape[: positions.dim()]) or positions.dim() >= x.dim():
+        raise RopeError(f"rope: positions shape {tuple(positions.shape)} is not a prefix of x's leading dims "
+                        f"{tuple(x.shape[:-1])}")
+    cos, sin = rope_cos_sin(inv_freq, positions)                            # [*pos, r/2]
+    expand = (1,) * (x.dim() - 1 - positions.dim())
+    cos = cos.view(*positions.shape, *expand, cos.shape[-1])
+    sin = sin.view(*positions.shape, *expand, sin.shape[-1])
+    return apply_rope_cos_sin(x, cos, sin, rope_dim, inverse)
+
+
+class RotaryTable(nn.Module):
+    """One table's inv_freq, kept as a plain fp32 attribute (not a buffer): `module.to(bf16)` must not round it,
+    and it is not part of the state dict (as in HF). It follows the device of the positions it is used with."""
+
+    def __init__(self, cfg: DSv4Config, table: str):
+        super().__init__()
+        self.table, self.rope_dim = table, cfg.qk_rope_head_dim
+        self.inv_freq = inv_freq_for(cfg, table)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        return apply_rope(x, positions, self.inv_freq, self.rope_dim, inverse)
+
+    def extra_repr(self) -> str:
+        return f"table={self.table}, rope_dim={self.rope_dim}"
