@@ -1,0 +1,169 @@
+"""Mixture of experts (spec §9): sqrtsoftplus router, hash routing, ClampedSwiGLU experts, one shared expert.
+
+    s   = sqrt(softplus(x @ W_gate^T))                       [T, E]  router affinities (fp32)
+    idx = tid2eid[token_id]         (hash layers, spec §9.3)  [T, K]
+        | topk(s + b, K)            (score layers; b = expert bias, selection only)
+    w   = rho * s[idx] / sum s[idx]                           [T, K]  (b never enters w)
+    y   = sum_k w_k Expert_{idx_k}(x) + Shared(x)
+
+Experts use ClampedSwiGLU silu(min(gate, L)) * clamp(up, -L, L) (slice P5); the shared expert is unclamped as
+in DeepSeek's code unless `cfg.shared_expert_clamp` (HF 5.23's variant).
+
+Top-k tie-break: equal (s + b) values are ordered by the LOWER expert index first (a stable descending sort),
+so routing is deterministic and independent of E's memory layout.
+
+Routed experts are STACKED parameters (HF layout, so HF conversion is a rename and grouped GEMMs can use them
+directly): `experts.w13` [E, 2f, d] = per expert cat(w1, w3) along rows, `experts.w2` [E, d, f]. The official
+per-expert `ffn.experts.{e}.w1|w2|w3.weight` are produced / consumed by `model/convert.py`.
+
+Load balancing (spec §9.4, training only): auxiliary-loss-free expert bias updated outside the gradient by
+`update_expert_bias()` (b_e += gamma * sign(mean_load - load_e), from the token counts accumulated since the
+last update), plus the V3 sequence-wise balance loss alpha * sum_e f_e P_e per sequence (score layers only:
+hash layers have no learned selection to balance). The loss (coefficient applied) is left in `self.aux_loss`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.kernels.swiglu import clamped_swiglu
+
+
+def hash_table(cfg) -> torch.Tensor:
+    """Fixed token-id -> experts table [V, K] int64: K DISTINCT experts per token, seeded by cfg.hash_seed."""
+    g = torch.Generator().manual_seed(cfg.hash_seed)
+    keys = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=g)       # [V, E]
+    return keys.argsort(dim=-1)[:, :cfg.num_experts_per_tok].contiguous()      # a random K-subset per token
+
+
+class Gate(nn.Module):
+    """Router (official name `ffn.gate`): weight [E, d]; `bias` [E] fp32 buffer (score layers) or `tid2eid`
+    [V, K] int64 buffer (hash layers), both persistent (saved in checkpoints)."""
+
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.cfg = cfg
+        self.hash = cfg.is_hash(layer_idx)
+        self.topk, self.n_experts = cfg.num_experts_per_tok, cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.randn(cfg.n_routed_experts, cfg.hidden_size) * cfg.initializer_range)
+        if self.hash:
+            self.register_buffer("tid2eid", hash_table(cfg), persistent=True)
+        else:
+            self.register_buffer("bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_routed_experts, dtype=torch.long),
+                             persistent=False)                                 # int: survives dtype casts
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None):
+        """x [T, d] -> (weights [T, K] fp32, idx [T, K] int64, scores [T, E] fp32)."""
+        scores = torch.sqrt(F.softplus(F.linear(x.float(), self.weight.float())))     # [T, E]
+        if self.hash:
+            if input_ids is None:
+                raise ValueError("Gate: hash-routed layer needs input_ids")
+            idx = self.tid2eid[input_ids.reshape(-1)].long()                          # [T, K]
+        else:
+            biased = (scores + self.bias.float()).detach()
+            idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :self.topk]   # [T, K]
+        w = scores.gather(1, idx)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.cfg.routed_scaling_factor
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(idx.reshape(-1), minlength=self.n_experts)
+        return w, idx, scores
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """b_e += gamma * sign(mean_load - load_e) from the counts since the last call; resets the counts."""
+        if self.hash:
+            return
+        load = self.tokens_per_expert.float()
+        if load.sum() > 0:
+            self.bias += self.cfg.expert_bias_update_rate * torch.sign(load.mean() - load)
+        self.tokens_per_expert.zero_()
+
+
+class Experts(nn.Module):
+    """E routed experts, stacked: w13 [E, 2f, d] (rows 0..f-1 = w1 "gate", f..2f-1 = w3 "up"), w2 [E, d, f]."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        E, f, d, std = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size, cfg.initializer_range
+        self.limit = cfg.swiglu_limit
+        self.w13 = nn.Parameter(torch.randn(E, 2 * f, d) * std)
+        self.w2 = nn.Parameter(torch.randn(E, d, f) * std)
+        self.backend = "naive"
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """x [T, d], w [T, K], idx [T, K] -> [T, d] = sum_k w_k Expert_{idx_k}(x) (accumulated in fp32)."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        order = torch.argsort(idx.reshape(-1), stable=True)                    # token-slots grouped by expert
+        counts = torch.bincount(idx.reshape(-1), minlength=self.w13.shape[0]).tolist()
+        tok = order // idx.shape[1]                                            # [T*K] token of each slot
+        wk = w.reshape(-1)[order]                                              # [T*K] its routing weight
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            t = tok[start:start + c]
+            gate, up = F.linear(x[t], self.w13[e]).chunk(2, dim=-1)            # [c, f] each
+            h = clamped_swiglu(gate, up, self.limit, backend=self.backend)
+            y = F.linear(h, self.w2[e])                                        # [c, d]
+            out.index_add_(0, t, y.float() * wk[start:start + c, None].float())
+            start += c
+        return out.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP with official names w1 (gate), w3 (up), w2 (down): the shared expert and dense `-` layers."""
+
+    def __init__(self, cfg, width: int, limit: float | None):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.w2 = nn.Linear(width, cfg.hidden_size, bias=False)
+        self.w3 = nn.Linear(cfg.hidden_size, width, bias=False)
+        for lin in (self.w1, self.w2, self.w3):
+            nn.init.normal_(lin.weight, std=cfg.initializer_range)
+        self.limit = limit
+        self.backend = "naive"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit, backend=self.backend))
+
+
+class MoE(nn.Module):
+    """One MoE FFN (official prefix `layers.{i}.ffn`): gate, experts, shared_experts (spec §9)."""
+
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Gate(cfg, layer_idx)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                  cfg.swiglu_limit if cfg.shared_expert_clamp else None)
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, d], input_ids [B, S] -> [B, S, d]."""
+        B, S, d = x.shape
+        flat = x.reshape(B * S, d)                                             # [T, d]
+        w, idx, scores = self.gate(flat, input_ids)
+        y = self.experts(flat, w, idx) + self.shared_experts(flat)
+        self.aux_loss = None
+        if self.training and self.cfg.seq_aux_loss_coeff > 0 and not self.gate.hash:
+            self.aux_loss = self.cfg.seq_aux_loss_coeff * seq_aux_loss(scores.view(B, S, -1), idx.view(B, S, -1))
+        return y.view(B, S, d)
+
+
+def seq_aux_loss(scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """V3 sequence-wise balance loss without its coefficient (spec §9.4), averaged over the B sequences.
+
+    scores [B, S, E] (s, before bias), idx [B, S, K]:  f_e = E/(K S) * #{t: e in TopK_t},
+    P_e = mean_t s_{t,e} / sum_e' s_{t,e'},  loss = mean_b sum_e f_e P_e.
+    """
+    B, S, E = scores.shape
+    K = idx.shape[-1]
+    counts = torch.zeros(B, E, device=scores.device).scatter_add_(
+        1, idx.reshape(B, -1), torch.ones(B, S * K, device=scores.device))      # [B, E]
+    f = counts * (E / (K * S))
+    P = (scores / scores.sum(-1, keepdim=True)).mean(1)                         # [B, E]
+    return (f * P).sum(-1).mean()
