@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .norm import rms_norm
+
 
 class THDError(ValueError):
     """Bad packed-sequence metadata (one line, naming the field)."""
@@ -217,3 +219,84 @@ def sparse_attn_thd(q: torch.Tensor, kv: torch.Tensor, q_index: torch.Tensor,
     v = _acc(torch.cat(vals, dim=1))                                            # [Tq, W+K, c]
     o = torch.einsum("thk,tkc->thc", p, v)
     return o.to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- orchestration (D6)
+
+
+def _compress_entries(comp_mod, x: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor, first_local: int):
+    """A `model.compressor.Compressor` on a THD stream: entries closing at local tokens (index >= first_local).
+
+    Same math as Compressor.forward (projections -> pooling -> norm -> RoPE at the entry's first token, which
+    is position j*m of its document). Returns (comp [N, D], entry_seg [N], entry_j [N]).
+    """
+    m = comp_mod.ratio
+    ends = entry_ends(seg, pos, m)
+    ends = ends[ends >= first_local]
+    pooled, eseg, ej, _ = compress_pool_thd(comp_mod.wkv(x), comp_mod.wgate(x), comp_mod.ape, m,
+                                            comp_mod.overlap, seg, pos, ends)            # [N, D]
+    comp = comp_mod.norm(pooled)
+    if comp.shape[0]:
+        comp = comp_mod.rope(comp, ej * m)                                               # first token of entry
+    return comp, eseg, ej
+
+
+def attention_on_layout(attn, x: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor, halo: int = 0,
+                        gather_entries=None) -> torch.Tensor:
+    """One DSv4Attention layer (spec §5.7) on a token stream with document metadata -> [T - halo, d].
+
+    x [T, d] (normed attention input); seg/pos [T]; the first `halo` rows are left context only (a CP halo:
+    keys of the window and rows of compression windows that close in the local part) and get no output.
+    `gather_entries(comp, entry_seg, entry_j) -> (comp, entry_seg, entry_j)` completes the locally closed
+    compressed entries with those of other ranks (CP, model/context_parallel.py); None = all entries are local.
+    Uses `attn`'s parameters and RoPE tables (model/attention.py); masks come from (seg, pos) only.
+    """
+    H, c, g = attn.n_heads, attn.head_dim, attn.o_groups
+    xl, seg_l, pos_l = x[halo:], seg[halo:], pos[halo:]
+    Tl = xl.shape[0]
+    cq = attn.q_norm(attn.wq_a(xl))                                             # [Tl, d_c]
+    q = attn.wq_b(cq).view(Tl, H, c)                                            # [Tl, H, c]
+    q = attn.rope(rms_norm(q, None, attn.eps), pos_l)                           # per-head unweighted norm
+    kv = attn.rope(attn.kv_norm(attn.wkv(x)), pos)                              # [T, c] halo + local keys
+
+    comp = eseg = ej = idx = None
+    attn.indexer_loss, attn.last_topk = None, None
+    if attn.compressor is not None:
+        comp, eseg, ej = _compress_entries(attn.compressor, x, seg, pos, halo)  # [N, c]
+        if gather_entries is not None:
+            comp, eseg, ej = gather_entries(comp, eseg, ej)
+    if attn.indexer is not None:
+        ind = attn.indexer
+        kI, iseg, ij = _compress_entries(ind.compressor, x.detach(), seg, pos, halo)   # [N, c_I], detached
+        if gather_entries is not None:
+            kI, iseg, ij = gather_entries(kI, iseg, ij)
+        qI = ind.wq_b(cq.detach()).view(Tl, ind.n_heads, ind.head_dim)           # [Tl, n_I, c_I]
+        qI = ind.rope(qI, pos_l)
+        w = ind.weights_proj(xl.detach())                                       # [Tl, n_I]
+        scores = indexer_scores_thd(qI, kI, w, ind.ratio, seg_l, pos_l, iseg, ij)   # [Tl, N]
+        idx = indexer_topk_thd(scores, ind.topk)                                # [Tl, k]
+        attn.last_topk = idx
+        attn.last_entries = (iseg, ij)                                          # to map idx -> (doc, j)
+        if attn.training and attn.cfg.indexer_loss_mode == "dense":
+            idx = None                                                          # warm-up: all entries
+    o = sparse_attn_thd(q, kv, torch.arange(Tl, device=x.device) + halo, seg, pos, seg_l, pos_l,
+                        comp, idx, eseg, ej, attn.attn_sink, attn.window, attn.ratio or 1, attn.scale)
+    o = attn.rope(o, pos_l, inverse=True)                                       # back by the query position
+    o = o.reshape(Tl, g, H * c // g)                                            # group i = heads i*H/g..
+    wo_a = attn.wo_a.weight.view(g, -1, H * c // g)                             # [g, d_g, H*c/g]
+    z = torch.einsum("tgi,gri->tgr", o, wo_a)                                   # [Tl, g, d_g]
+    return attn.wo_b(z.flatten(1))                                              # [Tl, d]
+
+
+def thd_attention_forward(attn, h: torch.Tensor, cu_seqlens: torch.Tensor,
+                          cu_seqlens_padded: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed DSv4 attention: h [1, T, d] (THD as B = 1) with cu_seqlens (+ padded offsets) -> [1, T, d].
+
+    Each document's output equals DSv4Attention.forward on that document alone (positions 0..L-1); padding
+    rows attend only the sink (output = wo_b(wo_a(0)) = 0). The indexer loss is not computed on this path.
+    """
+    if h.dim() != 3 or h.shape[0] != 1:
+        raise THDError(f"h: packed input must be [1, T, d], got {tuple(h.shape)}")
+    seg, pos = seg_pos_from_cu_seqlens(cu_seqlens, h.shape[1], cu_seqlens_padded)
+    seg, pos = seg.to(h.device), pos.to(h.device)
+    return attention_on_layout(attn, h[0], seg, pos)[None]                      # [T, d] -> [1, T, d]

@@ -1,0 +1,82 @@
+"""D6: packed THD DSv4 attention (window / CSA / HCA layers) == DSv4Attention on each document alone.
+
+Oracle: the SBHD module `DSv4Attention.forward` run on each document separately (a Python loop over documents),
+fp32, outputs and gradients (input + every parameter) <= 1e-5, indexer selections identical.
+"""
+import pytest
+import torch
+
+from dsv4.model import thd
+from dsv4.model.attention import DSv4Attention
+from dsv4.model.config import get_config
+
+LENS = [5, 19, 3, 37, 2, 17]          # odd: < a CSA window, < an HCA window, not multiples of 4 or 16
+TOL = 1e-5
+
+
+def _randomize(mod):
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.5) + (1.0 if p.dim() == 1 else 0))
+
+
+def _cu(padded):
+    lens = torch.tensor(LENS)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    if not padded:
+        return cu, None, int(cu[-1])
+    plens = (lens + 3) // 4 * 4 + 2                                             # padded slot per document
+    cup = torch.cat([torch.zeros(1, dtype=torch.long), plens.cumsum(0)])
+    return cu, cup, int(cup[-1])
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("layer", [0, 1, 2])               # debug config: window, CSA (m=4), HCA (m'=16)
+def test_packed_attention_equals_separate(layer, padded):
+    cfg = get_config("debug")
+    torch.manual_seed(0)
+    attn = DSv4Attention(cfg, layer).eval()
+    _randomize(attn)
+    cu, cup, T = _cu(padded)
+    h = torch.randn(1, T, cfg.hidden_size, requires_grad=True)
+    seg, pos = thd.seg_pos_from_cu_seqlens(cu, T, cup)
+    r = torch.randn(1, T, cfg.hidden_size)
+    real = seg >= 0
+    params = [p for p in attn.parameters()]
+
+    out = thd.thd_attention_forward(attn, h, cu, cup)
+    packed_topk, packed_entries = attn.last_topk, getattr(attn, "last_entries", None)
+    grads = torch.autograd.grad((out * r).sum(), [h] + params, allow_unused=True)
+    assert out.shape == h.shape and torch.isfinite(out).all()
+    if (~real).any():
+        assert out[0, ~real].abs().max() == 0                                   # padding: sink only
+
+    ref = torch.zeros_like(out)
+    loss_ref = 0.0
+    n_sel = 0
+    for d in range(len(LENS)):
+        rows = torch.nonzero(seg == d).flatten()
+        o_d = attn(h[:, rows])                                                  # positions 0..L-1 (default)
+        ref[0, rows] = o_d[0].detach()
+        loss_ref = loss_ref + (o_d * r[:, rows]).sum()
+        if attn.kind == "csa":                                                  # selections identical
+            sep = attn.last_topk[0]                                             # [L, k_d]
+            iseg, ij = packed_entries
+            for t_loc, t in enumerate(rows.tolist()):
+                got = [(int(iseg[i]), int(ij[i])) for i in packed_topk[t].tolist() if i >= 0]
+                want = [(d, j) for j in sep[t_loc].tolist() if j >= 0]
+                assert got == want, (d, t_loc, got, want)
+                n_sel += len(want)
+    ref_grads = torch.autograd.grad(loss_ref, [h] + params, allow_unused=True)
+    err = (out[0, real] - ref[0, real]).abs().max().item()
+    assert err <= TOL, err
+    names = ["h"] + [n for n, _ in attn.named_parameters()]
+    for name, a, b in zip(names, grads, ref_grads):
+        if a is None and b is None:
+            continue
+        a = torch.zeros_like(b) if a is None else a
+        b = torch.zeros_like(a) if b is None else b
+        assert (a - b).abs().max().item() <= TOL * max(1.0, b.abs().max().item()), name
+    if attn.kind == "csa":
+        assert n_sel > 0
