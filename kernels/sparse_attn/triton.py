@@ -2,7 +2,8 @@
 
 Same contract as `naive.sparse_attn` (spec §5.2, §5.3): for query t and head h, ONE softmax over
   * the window keys  {s : t - window < s <= t}                 (rows of `kv`),
-  * the compressed entries: comp_idx given -> those listed (-1 = none);
+  * the compressed entries: comp_idx given -> those listed (-1 = none, listed but not yet complete
+                            entries j >= floor((t+1)/ratio) ignored; entries must be listed at most once),
                             comp_idx None and comp given -> all j < floor((t+1)/ratio),
   * the sink logit sink[h] (no value).
 K = V (MQA: all H heads share one kv head of width c).
@@ -84,7 +85,7 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE,
         for start in range(0, NSEL, BN):
             offs_n = start + tl.arange(0, BN)
             idx = tl.load(IDX + t * si_s + b * si_b + offs_n, mask=offs_n < NSEL, other=-1)
-            valid = idx >= 0
+            valid = (idx >= 0) & (idx < (t + 1) // ratio)       # -1 and not-yet-complete entries: none
             k = tl.load(COMP + idx[:, None] * sc_s + b * sc_b + offs_d[None, :],
                         mask=valid[:, None] & dmask[None, :], other=0.0)
             m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale)
@@ -149,7 +150,7 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA,
         for start in range(0, NSEL, BN):
             offs_n = start + tl.arange(0, BN)
             idx = tl.load(IDX + t * si_s + b * si_b + offs_n, mask=offs_n < NSEL, other=-1)
-            valid = idx >= 0
+            valid = (idx >= 0) & (idx < (t + 1) // ratio)       # -1 and not-yet-complete entries: none
             kmask = valid[:, None] & dmask[None, :]
             k_off = idx[:, None] * sc_s + b * sc_b + offs_d[None, :]
             k = tl.load(COMP + k_off, mask=kmask, other=0.0)
@@ -172,9 +173,9 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA,
 # ------------------------------------------------------------------------------------------------ driver
 def _launch_args(q, kv, comp, comp_idx, window, ratio):
     S, B, H, C = q.shape
-    if comp_idx is not None:
-        if comp is None:
-            raise ValueError("sparse_attn: comp_idx given without comp")
+    if comp is None or comp.shape[0] == 0:
+        mode, nsel = MODE_NONE, 0
+    elif comp_idx is not None:
         mode, nsel = MODE_IDX, comp_idx.shape[-1]
     elif comp is not None:
         mode, nsel = MODE_ALL, 0
@@ -188,8 +189,8 @@ class _SparseAttn(torch.autograd.Function):
     def forward(ctx, q, kv, comp, comp_idx, sink, window, ratio, scale):
         q, kv = q.contiguous(), kv.contiguous()
         S, B, H, C, mode, nsel = _launch_args(q, kv, comp, comp_idx, window, ratio)
-        comp_t = comp.contiguous() if comp is not None else kv           # dummy pointer when unused
-        idx_t = comp_idx.contiguous() if comp_idx is not None else torch.zeros(1, 1, 1, dtype=torch.long,
+        comp_t = comp.contiguous() if mode != MODE_NONE else kv           # dummy pointer when unused
+        idx_t = comp_idx.contiguous() if mode == MODE_IDX else torch.zeros(1, 1, 1, dtype=torch.long,
                                                                               device=q.device)
         o = torch.empty_like(q)
         lse = torch.empty(S, B, H, device=q.device, dtype=torch.float32)
@@ -200,7 +201,8 @@ class _SparseAttn(torch.autograd.Function):
             idx_t.stride(0), idx_t.stride(1), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
             H, C, nsel, int(window), max(int(ratio or 1), 1), float(scale) * LOG2E, MODE=mode, BD=pow2(C))
         ctx.save_for_backward(q, kv, comp_t, idx_t, sink, o, lse)
-        ctx.cfg = (mode, nsel, int(window), max(int(ratio or 1), 1), float(scale), comp is not None)
+        ctx.cfg = (mode, nsel, int(window), max(int(ratio or 1), 1), float(scale), mode != MODE_NONE)
+        ctx.comp_none = comp is None
         return o
 
     @staticmethod
@@ -222,7 +224,7 @@ class _SparseAttn(torch.autograd.Function):
         # d sink_h = -Σ_{t,b} p_sink(t,b,h) · delta(t,b,h),  p_sink = exp(z_h - lse)   (lse in log2 units)
         p_sink = torch.exp2(sink.float() * LOG2E - lse)
         dsink = -(p_sink * delta).sum((0, 1)).to(sink.dtype)
-        dcomp_out = dcomp.to(comp_t.dtype) if has_comp else None
+        dcomp_out = None if ctx.comp_none else (dcomp.to(comp_t.dtype) if has_comp else None)
         return dq, dkv.to(kv.dtype), dcomp_out, None, dsink, None, None, None
 
 
