@@ -74,15 +74,16 @@ def indexer_teacher(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor, cand:
                       window and sink ignored); P[t,j] = sum_h p[t,h,j] / H.
     """
     S, B, H, c = q.shape
-    qf, compf = q.detach().float(), comp.detach().float()
+    dt = torch.promote_types(q.dtype, torch.float32)                                # fp32 (fp64 stays)
+    qf, compf = q.detach().to(dt), comp.detach().to(dt)
     lc = torch.einsum("sbhc,tbc->sbht", qf, compf) * scale                          # [S, B, H, T]
     lc = lc.masked_fill(~cand[:, :, None, :], float("-inf"))
     if teacher == "joint":
         t = torch.arange(S, device=q.device)
         band = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - window)      # [S(query), S(key)]
-        lw = torch.einsum("sbhc,ubc->sbhu", qf, kv.detach().float()) * scale        # [S, B, H, S]
+        lw = torch.einsum("sbhc,ubc->sbhu", qf, kv.detach().to(dt)) * scale        # [S, B, H, S]
         lw = lw.masked_fill(~band[:, None, None, :], float("-inf"))
-        ls = sink.detach().float().view(1, 1, H, 1).expand(S, B, H, 1)
+        ls = sink.detach().to(dt).view(1, 1, H, 1).expand(S, B, H, 1)
         lse = torch.logsumexp(torch.cat([lw, lc, ls], dim=-1), dim=-1, keepdim=True)   # [S, B, H, 1]
         p = torch.exp(lc - lse)                                                      # 0 outside cand
     elif teacher == "renormalized":
@@ -104,8 +105,9 @@ def indexer_kl_loss(scores: torch.Tensor, target: torch.Tensor, cand: torch.Tens
     valid = cand.any(dim=-1)                                                         # [S, B]
     if not bool(valid.any()):
         return scores.float().masked_fill(~cand, 0.0).sum() * 0.0
-    c, tgt = cand[valid], target[valid].float()                                      # [N, T]
-    logq = torch.log_softmax(scores.float()[valid].masked_fill(~c, float("-inf")), dim=-1)
+    dt = torch.promote_types(scores.dtype, torch.float32)
+    c, tgt = cand[valid], target[valid].to(dt)                                       # [N, T]
+    logq = torch.log_softmax(scores.to(dt)[valid].masked_fill(~c, float("-inf")), dim=-1)
     logq = logq.masked_fill(~c, 0.0)
     kl = torch.where(c, torch.xlogy(tgt, tgt) - tgt * logq, torch.zeros_like(logq)).sum(-1)   # [N]
     return kl.mean()

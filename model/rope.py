@@ -3,7 +3,7 @@
 * Layout of a head: `[nope (c - r) | rope (r)]`; the rope slice is rotated as r/2 complex numbers formed by the
   pairs (2i, 2i+1) ("interleaved", DeepSeek's `view_as_complex`; HF's `repeat_interleave` + `rotate_half`):
       (x_{2i}, x_{2i+1}) -> (x_{2i} cos(p θ_i) - x_{2i+1} sin(p θ_i),  x_{2i} sin(p θ_i) + x_{2i+1} cos(p θ_i))
-  The rotation runs in fp32 (cos/sin stay fp32) and the result is cast back to x's dtype once.
+  The rotation runs in fp32 (fp64 for fp64 inputs; cos/sin are never rounded to bf16) and the result is cast back to x's dtype once.
 * Inverse rotation (spec §5.4, the attention output rotated back by the QUERY position) = rotation by -p.
 * Tables (`inv_freq`, r/2 entries):
     "main"     θ_i = rope_theta^{-2i/r}, no scaling: window-only layers and the MTP layer;
@@ -76,11 +76,12 @@ def inv_freq_for(cfg: DSv4Config, table: str) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------- rotation
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [*positions.shape, r/2] fp32 of angles positions * θ."""
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [*positions.shape, r/2] of angles positions * θ, in fp32 (or `dtype`, fp64 for gradcheck)."""
     if positions.is_floating_point():
         raise RopeError(f"rope: positions must be an integer tensor, got {positions.dtype}")
-    ang = positions.to(torch.float32)[..., None] * inv_freq.to(device=positions.device, dtype=torch.float32)
+    ang = positions.to(dtype)[..., None] * inv_freq.to(device=positions.device, dtype=dtype)
     return ang.cos(), ang.sin()
 
 
@@ -93,10 +94,12 @@ def apply_rope_cos_sin(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ro
     if rope_dim % 2 or rope_dim > x.shape[-1]:
         raise RopeError(f"rope: rope_dim {rope_dim} must be even and <= head dim {x.shape[-1]}")
     nope, rope = x[..., : x.shape[-1] - rope_dim], x[..., x.shape[-1] - rope_dim:]
-    pairs = rope.float().unflatten(-1, (rope_dim // 2, 2))                  # [..., r/2, 2]
+    dt = torch.promote_types(torch.promote_types(x.dtype, torch.float32), cos.dtype)   # fp32 (fp64 stays)
+    pairs = rope.to(dt).unflatten(-1, (rope_dim // 2, 2))                   # [..., r/2, 2]
     x0, x1 = pairs[..., 0], pairs[..., 1]
     if inverse:
         sin = -sin
+    cos, sin = cos.to(dt), sin.to(dt)
     rot = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)   # [..., r] fp32
     return torch.cat([nope, rot.to(x.dtype)], dim=-1)
 
@@ -111,7 +114,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     if tuple(positions.shape) != tuple(x.shape[: positions.dim()]) or positions.dim() >= x.dim():
         raise RopeError(f"rope: positions shape {tuple(positions.shape)} is not a prefix of x's leading dims "
                         f"{tuple(x.shape[:-1])}")
-    cos, sin = rope_cos_sin(inv_freq, positions)                            # [*pos, r/2]
+    dt = torch.promote_types(x.dtype, torch.float32)                        # fp32 (fp64 for fp64 x)
+    cos, sin = rope_cos_sin(inv_freq, positions, dt)                        # [*pos, r/2]
     expand = (1,) * (x.dim() - 1 - positions.dim())
     cos = cos.view(*positions.shape, *expand, cos.shape[-1])
     sin = sin.view(*positions.shape, *expand, sin.shape[-1])

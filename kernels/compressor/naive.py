@@ -9,7 +9,7 @@ applied by `model/compressor.py`. Layout SBHD-style: sequence first.
                                   ([..., D:]). Entry 0 has no previous window: those slots get weight exactly 0.
 
 Trailing tokens that do not fill a window produce no entry (S < m gives zero entries).
-The softmax runs in fp32 (ape is fp32); the pooled vector is returned in kv's dtype.
+The softmax runs in fp32 (fp64 for fp64 inputs; ape is fp32); the pooled vector is returned in kv's dtype.
 """
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio
     if n == 0:
         return kv.new_zeros(0, B, D)
     m = ratio
+    dt = torch.promote_types(kv.dtype, torch.float32)                    # fp32 (fp64 stays fp64, for gradcheck)
     c = kv[: n * m].reshape(n, m, B, W)                                  # [n, m, B, coff*D]
-    z = gate[: n * m].reshape(n, m, B, W).float() + ape.float()[None, :, None, :]   # fp32 logits
+    z = gate[: n * m].reshape(n, m, B, W).to(dt) + ape.to(dt)[None, :, None, :]   # fp32 logits
     if overlap:
         prev_c, cur_c = c[..., :D], c[..., D:]                            # [n, m, B, D] each
         prev_z, cur_z = z[..., :D], z[..., D:]
@@ -45,5 +46,5 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio
         c = torch.cat([prev_c, cur_c], dim=1)                             # [n, 2m, B, D]
         z = torch.cat([prev_z, cur_z], dim=1)
     alpha = torch.softmax(z, dim=1)                                       # over the slots, per channel
-    out = (c.float() * alpha).sum(dim=1)                                  # [n, B, D] fp32
+    out = (c.to(dt) * alpha).sum(dim=1)                                  # [n, B, D] fp32
     return out.to(kv.dtype)

@@ -20,7 +20,7 @@ def causal_entry_mask(S: int, T: int, ratio: int, device=None) -> torch.Tensor:
 
 
 def indexer_scores(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: int) -> torch.Tensor:
-    """qI [S,B,nI,cI], kI [T,B,cI], w [S,B,nI] -> I [S,B,T] fp32 (-inf on non-causal entries)."""
+    """qI [S,B,nI,cI], kI [T,B,cI], w [S,B,nI] -> I [S,B,T] fp32 (fp64 for fp64 qI; -inf on non-causal entries)."""
     if ratio <= 0:
         raise ValueError(f"indexer_scores: ratio must be positive, got {ratio}")
     S, B, nI, cI = qI.shape
@@ -29,9 +29,10 @@ def indexer_scores(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: i
         raise ValueError(f"indexer_scores: kI shape {tuple(kI.shape)} != (T, B, cI) = {(T, B, cI)}")
     if tuple(w.shape) != (S, B, nI):
         raise ValueError(f"indexer_scores: w shape {tuple(w.shape)} != (S, B, nI) = {(S, B, nI)}")
-    logits = torch.einsum("sbhc,tbc->sbht", qI.float(), kI.float())           # [S, B, nI, T]
+    dt = torch.promote_types(qI.dtype, torch.float32)                          # fp32 (fp64 stays fp64)
+    logits = torch.einsum("sbhc,tbc->sbht", qI.to(dt), kI.to(dt))           # [S, B, nI, T]
     scores = torch.relu(logits) * cI ** -0.5
-    weights = w.float() * nI ** -0.5                                            # [S, B, nI]
+    weights = w.to(dt) * nI ** -0.5                                            # [S, B, nI]
     I = (scores * weights[..., None]).sum(dim=2)                                # [S, B, T]
     causal = causal_entry_mask(S, T, ratio, device=qI.device)                   # [S, T]
     return I.masked_fill(~causal[:, None, :], float("-inf"))

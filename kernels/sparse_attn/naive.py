@@ -6,7 +6,7 @@ For query t (index 0..S-1 in the sequence) and head h, ONE softmax over
                      counts once; a listed entry that is not complete (j >= floor((t+1)/ratio)) is ignored
                      comp_idx None, comp given (HCA): all complete entries j < floor((t+1)/ratio)
     the sink logit   sink[h] (no value)
-with logits (q . k) * scale; o[t,h] = sum_s p_s * V_s.  Logits / softmax in fp32; output in q's dtype.
+with logits (q . k) * scale; o[t,h] = sum_s p_s * V_s.  Logits / softmax in fp32 (fp64 for fp64 q); output in q's dtype.
 The reference materialises dense [B,H,S,S] and [B,H,S,T] logits (memory O(S^2)).
 """
 from __future__ import annotations
@@ -25,7 +25,8 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor | None, co
     if window < 1:
         raise ValueError(f"sparse_attn: window must be >= 1, got {window}")
     dev = q.device
-    qf, kvf = q.float(), kv.float()
+    dt = torch.promote_types(q.dtype, torch.float32)                                   # fp32 (fp64 stays)
+    qf, kvf = q.to(dt), kv.to(dt)
     t = torch.arange(S, device=dev)
     # window part: [B, H, S, S]
     logits_w = torch.einsum("sbhc,ubc->bhsu", qf, kvf) * scale
@@ -39,7 +40,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor | None, co
             raise ValueError(f"sparse_attn: comp shape {tuple(comp.shape)} != (T, B, c) = {(T, B, c)}")
         if ratio <= 0:
             raise ValueError(f"sparse_attn: ratio must be positive, got {ratio}")
-        compf = comp.float()
+        compf = comp.to(dt)
         logits_c = torch.einsum("sbhc,tbc->bhst", qf, compf) * scale                   # [B, H, S, T]
         causal = torch.arange(T, device=dev)[None, :] < torch.div(t + 1, ratio, rounding_mode="floor")[:, None]
         allowed = causal[None].expand(B, S, T)                                         # [B, S, T]
@@ -53,7 +54,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor | None, co
             allowed = allowed & sel[..., :T]
         logits_c = logits_c.masked_fill(~allowed[:, None], float("-inf"))
         parts.append(logits_c)
-    sink_col = sink.float().view(1, H, 1, 1).expand(B, H, S, 1)
+    sink_col = sink.to(dt).view(1, H, 1, 1).expand(B, H, S, 1)
     logits = torch.cat(parts + [sink_col], dim=-1)                                     # [B, H, S, S(+T)+1]
     p = torch.softmax(logits, dim=-1)[..., :-1]                                        # drop the sink column
     o = torch.einsum("bhsu,ubc->sbhc", p[..., :S], kvf)                                # [S, B, H, c]
