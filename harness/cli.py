@@ -155,9 +155,10 @@ def graph_cmd(fmt, focus, rounds, out, platform, as_json):
               help="Write verify.json and verify.md here.")
 @click.option("--junit", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Reuse test results from this junit xml instead of running pytest again.")
+@click.option("--skip-tests", is_flag=True, help="Golden checks only (the slices' tests are not run or counted).")
 @click.option("-n", "--workers", default=0, type=int, help="pytest-xdist workers for the tests (0 = in one process).")
 @click.option("--json", "as_json", is_flag=True)
-def verify_cmd(sid, with_deps, platform, mode, report_dir, junit, workers, as_json):
+def verify_cmd(sid, with_deps, platform, mode, report_dir, junit, skip_tests, workers, as_json):
     """Run slices' tests and golden checks; print each check with its numbers and verdict."""
     from dsv4.harness import verify as V
     reg = registry()
@@ -176,7 +177,7 @@ def verify_cmd(sid, with_deps, platform, mode, report_dir, junit, workers, as_js
                 emit_json(doc)
             sys.exit(2)
     doc = V.verify(reg, ids, platform, mode, Path(junit) if junit else None, workers,
-                   only_implemented=True)
+                   only_implemented=True, run_tests=not skip_tests)
     if report_dir:
         p = V.write_report(doc, Path(report_dir))
         click.echo(f"report: {p}", err=True)

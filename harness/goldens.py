@@ -26,7 +26,7 @@ import torch
 
 from .registry import REPO
 
-GOLDENS = REPO / "goldens"
+GOLDENS = Path(os.environ.get("DSV4_GOLDENS_DIR") or REPO / "goldens")   # override: tests only
 FORMAT = "dsv4-golden/1"
 
 

@@ -76,9 +76,12 @@ def dot(reg: Registry, ids: list[str], platform: str = "cpu") -> str:
 def layered_positions(reg: Registry, ids: list[str]) -> dict[str, tuple[float, float]]:
     """x = publication round, y spread evenly within a round."""
     keep = set(ids)
-    pos = {}
+    pos: dict[str, tuple[float, float]] = {}
     for k, rnd in enumerate(reg.rounds()):
         col = [s for s in rnd if s in keep]
+        if k:   # barycentre ordering: a slice sits near the bases it needs, which keeps crossings down
+            col.sort(key=lambda s: -sum(pos[d][1] for d in reg.slices[s].depends_on if d in pos)
+                     / max(1, sum(d in pos for d in reg.slices[s].depends_on)))
         for i, sid in enumerate(col):
             pos[sid] = (k * 3.0, (len(col) - 1) / 2.0 - i)
     return pos
@@ -94,7 +97,7 @@ def draw(reg: Registry, ids: list[str], path: Path, platform: str = "cpu") -> Pa
     pos = layered_positions(reg, ids)
     n_rounds = len({x for x, _ in pos.values()})
     tallest = max(sum(1 for p in pos.values() if p[0] == x) for x in {p[0] for p in pos.values()})
-    fig, ax = plt.subplots(figsize=(max(8, 3.2 * n_rounds), max(5, 1.1 * tallest + 1.5)), dpi=110)
+    fig, ax = plt.subplots(figsize=(max(8, 2.3 * n_rounds), max(6, 1.25 * tallest + 2)), dpi=110)
     for kind, shape in (("external", "s"), ("prerequisite", "o"), ("dsv4", "D")):
         nodes = [n for n in g.nodes if reg.slices[n].kind == kind]
         if not nodes:
@@ -104,8 +107,16 @@ def draw(reg: Registry, ids: list[str], path: Path, platform: str = "cpu") -> Pa
             node_color=[STATUS_COLOURS[reg.slices[n].status[platform]] for n in nodes],
             edgecolors="#b2182b" if kind == "external" else "#333333",
             linewidths=2.5 if kind == "external" else 1.2)
-    nx.draw_networkx_edges(g, pos, ax=ax, arrows=True, arrowsize=14, edge_color="#777777", node_size=1500,
-                           connectionstyle="arc3,rad=0.08")
+    # edges that another path already implies (e.g. most of D9's 17 direct bases) are drawn faint and dotted
+    direct = set(nx.transitive_reduction(g).edges)
+    implied = [e for e in g.edges if e not in direct]
+    short = [e for e in sorted(direct) if pos[e[1]][0] - pos[e[0]][0] <= 3.0]
+    long_ = [e for e in sorted(direct) if e not in short]      # skipping rounds: bend them around nodes
+    for el, rad in ((short, 0.06), (long_, 0.22)):
+        nx.draw_networkx_edges(g, pos, edgelist=el, ax=ax, arrows=True, arrowsize=16, width=1.6,
+                               edge_color="#444444", node_size=1500, connectionstyle=f"arc3,rad={rad}")
+    nx.draw_networkx_edges(g, pos, edgelist=implied, ax=ax, arrows=True, arrowsize=8, width=0.7, style=":",
+                           edge_color="#bbbbbb", node_size=1500, connectionstyle="arc3,rad=0.06")
     nx.draw_networkx_labels(g, pos, ax=ax, font_size=10, font_weight="bold")
     for x in sorted({p[0] for p in pos.values()}):
         ax.text(x, max(p[1] for p in pos.values()) + 0.9, f"round {int(x // 3)}", ha="center", fontsize=10,
@@ -114,7 +125,9 @@ def draw(reg: Registry, ids: list[str], path: Path, platform: str = "cpu") -> Pa
     handles += [plt.Line2D([], [], marker="s", ls="", mfc="white", mec="#b2182b", mew=2.5, ms=12,
                            label="external prerequisite"),
                 plt.Line2D([], [], marker="o", ls="", mfc="white", mec="#333", ms=12, label="fresh prerequisite (P)"),
-                plt.Line2D([], [], marker="D", ls="", mfc="white", mec="#333", ms=11, label="DSv4 slice (D)")]
+                plt.Line2D([], [], marker="D", ls="", mfc="white", mec="#333", ms=11, label="DSv4 slice (D)"),
+                plt.Line2D([], [], color="#444", lw=1.6, label="direct dependency"),
+                plt.Line2D([], [], color="#bbb", lw=0.8, ls=":", label="dependency also implied by a path")]
     ax.legend(handles=handles, loc="lower left", fontsize=9, frameon=True)
     ax.set_title("DSv4 merge plan: slices by publication round (arrows: base → dependent)", fontsize=12)
     ax.axis("off")

@@ -50,12 +50,16 @@ class Slice:
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
-        d["folder"] = str(self.folder.relative_to(REPO))
+        d["folder"] = _rel(self.folder)
         return d
 
 
+def _rel(path: Path) -> str:
+    return str(path.relative_to(REPO) if path.is_relative_to(REPO) else path)
+
+
 def _load_manifest(path: Path) -> Slice:
-    rel = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+    rel = _rel(path)
     try:
         data = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -117,8 +121,7 @@ class Registry:
         for s in slices:
             if s.id in self.slices:
                 raise RegistryError(
-                    f"duplicate slice id {s.id!r} in {s.folder.relative_to(REPO)} and "
-                    f"{self.slices[s.id].folder.relative_to(REPO)}")
+                    f"duplicate slice id {s.id!r} in {_rel(s.folder)} and {_rel(self.slices[s.id].folder)}")
             self.slices[s.id] = s
         for s in slices:
             for d in s.depends_on:

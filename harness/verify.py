@@ -7,6 +7,7 @@ regressed, else 2 if any could not be judged, else 0.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -87,10 +88,21 @@ def test_checks(sl: Slice, junit_cases: list[dict]) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------- goldens
 def load_cases(sl: Slice):
-    mod_name = f"dsv4.slices.{sl.name}.cases"
-    if not (sl.folder / "cases.py").exists():
+    """The golden cases of a slice, imported from its folder's cases.py (by path, so any folder works)."""
+    path = sl.folder / "cases.py"
+    if not path.exists():
         return []
-    return collect(lambda: importlib.import_module(mod_name))
+    mod_name = f"dsv4.slices.{sl.name}.cases" if sl.folder.parent == REPO / "slices" else f"_dsv4_cases_{sl.name}"
+
+    def _load():
+        if mod_name in sys.modules:
+            del sys.modules[mod_name]
+        spec = importlib.util.spec_from_file_location(mod_name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+    return collect(_load)
 
 
 def golden_checks(sl: Slice, platform: str, mode: str) -> list[dict]:
@@ -171,14 +183,15 @@ def fmt(r: dict) -> str:
 
 
 def verify(reg: Registry, ids: list[str], platform: str, mode: str, junit: Path | None = None,
-           workers: int = 0, only_implemented: bool = True) -> dict:
+           workers: int = 0, only_implemented: bool = True, run_tests: bool = True) -> dict:
     """Verify slices `ids` (already in dependency order). Returns the JSON-able result document."""
     results, t_start = [], time.time()
     todo = [reg.get(i) for i in ids]
     runnable = [s for s in todo if s.implemented_on(platform) or not only_implemented]
-    test_paths = [t for s in runnable for t in s.tests]
+    test_paths = [t for s in runnable for t in s.tests] if run_tests else []
+    can_run = platform == "cpu" or torch.cuda.is_available()
     junit_cases: list[dict] = []
-    if test_paths and platform == "cpu" or (test_paths and torch.cuda.is_available()):
+    if test_paths and can_run:
         if junit is not None:
             junit_cases = parse_junit(junit)
             log(f"using test results from {junit} ({len(junit_cases)} testcases)")
@@ -192,7 +205,7 @@ def verify(reg: Registry, ids: list[str], platform: str, mode: str, junit: Path 
                             "detail": f"status on {platform} is {s.status[platform]}"})
             continue
         recs = []
-        if platform == "cpu" or torch.cuda.is_available():
+        if run_tests and can_run:
             recs += test_checks(s, junit_cases)
         recs += golden_checks(s, platform, mode)
         v = slice_verdict(recs)
@@ -279,5 +292,5 @@ def regen(reg: Registry, sl: Slice, platform: str, cases_filter: list[str] | Non
         log(f"goldens/{platform}/{sl.name}/{n}.json")
         for line in lines:
             log(line)
-        changes.append({"case": n, "path": str(G.case_path(platform, sl.name, n).relative_to(REPO)), "diff": lines})
+        changes.append({"case": n, "path": G._rel(G.case_path(platform, sl.name, n)), "diff": lines})
     return changes

@@ -1,0 +1,161 @@
+"""Golden store and verify: a fake slice with one case goes through regen -> verify pass -> perturbed golden ->
+regression (exit 1) -> missing golden -> cannot judge (exit 2); comparisons report exact numbers."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dsv4.harness import goldens as G
+from dsv4.harness import thresholds as T
+from dsv4.harness.registry import Registry, Slice
+
+
+CASES = textwrap.dedent('''
+    import torch
+    from dsv4.harness.cases import golden_case
+
+    @golden_case("lin", tol={"y": (1e-6, 1e-5), "s": (0.0, 1e-6)})
+    def lin():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(3, 5, generator=g)
+        return {"y": x * 2.0, "idx": x.argmax(-1), "s": float(x.sum()), "n": 7}
+''')
+
+
+def _fake_slice(tmp_path, cases=CASES):
+    folder = tmp_path / "slices" / "Z1"
+    folder.mkdir(parents=True)
+    (folder / "cases.py").write_text(cases)
+    s = Slice(id="Z1", title="fake", kind="dsv4", delivers="x", provenance=[], depends_on=[], files=[], tests=[],
+              golden_cases=["lin"], status={"cpu": "implemented", "h200": "planned", "h100": "planned",
+                                            "gb200": "planned"}, folder=folder)
+    return Registry([s]), s
+
+
+@pytest.fixture()
+def gold_dir(tmp_path, monkeypatch):
+    d = tmp_path / "goldens"
+    monkeypatch.setattr(G, "GOLDENS", d)
+    return d
+
+
+def test_regen_verify_perturb_missing(tmp_path, gold_dir):
+    from dsv4.harness import verify as V
+    reg, s = _fake_slice(tmp_path)
+    # missing golden: cannot judge, never a pass
+    doc = V.verify(reg, ["Z1"], "cpu", "deterministic", run_tests=False)
+    assert doc["exit_code"] == 2 and doc["slices"][0]["checks"][0]["verdict"] == "missing"
+    changes = V.regen(reg, s, "cpu")
+    assert changes[0]["diff"][0].startswith("  + new golden")
+    g = json.loads((gold_dir / "cpu" / "Z1" / "lin.json").read_text())
+    assert g["provenance"]["platform"] == "cpu" and g["provenance"]["git_sha"]
+    assert g["outputs"]["idx"]["dtype"] == "int64" and g["outputs"]["n"] == {"kind": "int", "value": 7}
+    doc = V.verify(reg, ["Z1"], "cpu", "deterministic", run_tests=False)
+    assert doc["exit_code"] == 0, doc
+    recs = {r["check"]: r for r in doc["slices"][0]["checks"]}
+    assert recs["lin.y"]["max_abs"] == 0.0 and recs["lin.idx"]["exact"] is True
+    # perturb one float by more than its tolerance -> regression, exit 1
+    g["outputs"]["y"]["values"][4] += 1e-3
+    (gold_dir / "cpu" / "Z1" / "lin.json").write_text(json.dumps(g))
+    doc = V.verify(reg, ["Z1"], "cpu", "deterministic", run_tests=False)
+    assert doc["exit_code"] == 1
+    bad = [r for r in doc["slices"][0]["checks"] if r["verdict"] == "fail"]
+    assert [r["check"] for r in bad] == ["lin.y"] and abs(bad[0]["max_abs"] - 1e-3) < 1e-9
+    # an index off by one is a regression even though it is "close"
+    g["outputs"]["y"]["values"][4] -= 1e-3
+    g["outputs"]["idx"]["values"][0] = (g["outputs"]["idx"]["values"][0] + 1) % 5
+    (gold_dir / "cpu" / "Z1" / "lin.json").write_text(json.dumps(g))
+    assert V.verify(reg, ["Z1"], "cpu", "deterministic", run_tests=False)["exit_code"] == 1
+    # regen shows the diff of what it rewrites
+    changes = V.regen(reg, s, "cpu")
+    assert any("idx" in line and "1/3 values changed" in line for line in changes[0]["diff"])
+
+
+def test_zero_checks_is_not_a_pass(tmp_path, gold_dir):
+    from dsv4.harness import verify as V
+    reg, s = _fake_slice(tmp_path)
+    s.golden_cases = []
+    (s.folder / "cases.py").write_text("")
+    doc = V.verify(reg, ["Z1"], "cpu", "deterministic", run_tests=False)
+    assert doc["slices"][0]["verdict"] == "cannot-judge" and doc["exit_code"] == 2
+
+
+def test_float_output_without_tolerance_is_refused(tmp_path, gold_dir):
+    from dsv4.harness import verify as V
+    from dsv4.harness.cases import CaseError
+    reg, s = _fake_slice(tmp_path, CASES.replace('tol={"y": (1e-6, 1e-5), "s": (0.0, 1e-6)}', 'tol={"s": (0, 0)}'))
+    with pytest.raises(CaseError, match="floating output 'y' has no tolerance"):
+        V.regen(reg, s, "cpu")
+    assert not (gold_dir / "cpu" / "Z1").exists()      # nothing half-written
+
+
+def test_compare_output_tolerances_and_nonfinite():
+    enc = G.encode_outputs({"a": torch.tensor([1.0, float("nan"), 3.0])}, 100)
+    assert enc["a"]["values"][1] == "nan"
+    ok = G.compare_output("a", enc["a"], torch.tensor([1.0 + 1e-7, float("nan"), 3.0]), {"a": (1e-6, 0)})
+    assert ok["verdict"] == "pass"
+    bad = G.compare_output("a", enc["a"], torch.tensor([1.0, 2.0, 3.0]), {"a": (1e-6, 0)})
+    assert bad["verdict"] == "fail" and bad["detail"] == "non-finite mismatch"
+    shape = G.compare_output("a", enc["a"], torch.zeros(4), {"a": (1, 1)})
+    assert shape["verdict"] == "fail" and "shape" in shape["detail"]
+
+
+def test_atomic_write_keeps_old_file_on_failure(tmp_path, monkeypatch):
+    p = tmp_path / "g.json"
+    G.atomic_write_json(p, {"v": 1})
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        G.atomic_write_json(p, {"v": 2})
+    assert json.loads(p.read_text()) == {"v": 1}
+    assert [x.name for x in tmp_path.iterdir()] == ["g.json"]    # no temp file left behind
+
+
+def _curve(vals, start=1):
+    return {"start_step": start, "end_step": start + len(vals) - 1, "step_interval": 1,
+            "values": {str(start + i): v for i, v in enumerate(vals)}}
+
+
+def test_thresholds_like_megatron():
+    g = _curve([10.0] * 200)
+    assert T.compare_metric("lm loss", g, _curve([10.0] * 200), "deterministic")["verdict"] == "pass"
+    one_off = _curve([10.0] * 199 + [10.0000001])
+    assert T.compare_metric("lm loss", g, one_off, "deterministic")["verdict"] == "fail"
+    # approximate: rtol 5%, allowed failures min(max(n//100,1),50) = 2 for 200 steps
+    two_bad = _curve([10.0] * 198 + [11.0, 11.0])
+    three_bad = _curve([10.0] * 197 + [11.0, 11.0, 11.0])
+    assert T.compare_metric("lm loss", g, two_bad, "approximate")["verdict"] == "pass"
+    assert T.compare_metric("lm loss", g, three_bad, "approximate")["verdict"] == "fail"
+    # a missing step ("nan") never passes
+    miss = _curve([10.0] * 199 + ["nan"])
+    assert T.compare_metric("lm loss", g, miss, "deterministic")["verdict"] == "fail"
+    # iteration-time: median over the steady window 5..20 (short runs), one value at rtol 5%
+    it = _curve(["nan"] + [1.0] * 24)
+    slow_warmup = _curve(["nan", 9.0, 9.0, 9.0] + [1.04] * 21)
+    r = T.compare_metric("iteration-time", it, slow_warmup, "deterministic")
+    assert r["verdict"] == "pass" and r["window"] == [5, 20]
+    assert T.compare_metric("iteration-time", it, _curve(["nan"] + [1.06] * 24), "approximate")["verdict"] == "fail"
+    assert T.allowed_failures(50) == 1 and T.allowed_failures(9535) == 50
+
+
+def test_cli_bad_slice_exits_2_with_one_line():
+    r = subprocess.run([sys.executable, "-m", "dsv4.harness.cli", "verify", "--slice", "NOPE", "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stdout == ""
+    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("dsv4: error: slice 'NOPE': unknown")
+
+
+def test_cli_slices_json_is_one_document():
+    r = subprocess.run([sys.executable, "-m", "dsv4.harness.cli", "slices", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    ids = {s["id"]: s for s in doc["slices"]}
+    assert len(ids) == 24 and ids["D2"]["depends_on"] == ["D1", "P6"]
