@@ -1,0 +1,383 @@
+"""Checkpoint interop (spec §11.3, §11.4; Megatron-Bridge names in megatron_dsv4.md §5.2).
+
+Three namings of the same tensors:
+  * ours      = DeepSeek's official names, except that routed experts are stacked:
+                `layers.{i}.ffn.experts.w13` [E, 2f, d] (cat(w1, w3) rows per expert), `...experts.w2` [E, d, f];
+  * official  = the hub checkpoint names (`layers.{i}.ffn.experts.{e}.w1.weight`, ..., `mtp.0.*`,
+                `ffn.gate.tid2eid` int32);
+  * HF        = transformers 5.23 `DeepseekV4ForCausalLM` (`model.layers.{i}.self_attn.q_a_proj.weight`, ...,
+                stacked `mlp.experts.gate_up_proj` / `down_proj`; HF has no MTP and drops `mtp.*`).
+
+A checkpoint directory holds `config.json` (HF `DeepseekV4Config` fields, plus our full config under
+"dsv4_config") and safetensors files. `from_hf` follows HF's clamped shared expert (shared_expert_clamp=True);
+`load_official` follows DeepSeek's code (unclamped) unless the directory's "dsv4_config" says otherwise.
+Wrong, missing or unexpected tensors are refused with one line naming the key and both shapes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+
+from dsv4.model.config import ConfigError, DSv4Config
+
+HF_TYPES = {"window": "sliding_attention", "csa": "compressed_sparse_attention",
+            "hca": "heavily_compressed_attention"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model (one line naming the key and both shapes)."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# names
+# ---------------------------------------------------------------------------------------------------------
+
+# (ours, HF) substitutions applied to the part after `layers.{i}.`; order matters (longest first)
+_LAYER_RULES = [
+    ("hc_attn_fn", "attn_hc.fn"), ("hc_attn_base", "attn_hc.base"), ("hc_attn_scale", "attn_hc.scale"),
+    ("hc_ffn_fn", "ffn_hc.fn"), ("hc_ffn_base", "ffn_hc.base"), ("hc_ffn_scale", "ffn_hc.scale"),
+    ("attn_norm.weight", "input_layernorm.weight"), ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ("attn.attn_sink", "self_attn.sinks"),
+    ("attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias"),
+    ("attn.indexer.compressor.wkv.weight", "self_attn.compressor.indexer.kv_proj.weight"),
+    ("attn.indexer.compressor.wgate.weight", "self_attn.compressor.indexer.gate_proj.weight"),
+    ("attn.indexer.compressor.norm.weight", "self_attn.compressor.indexer.kv_norm.weight"),
+    ("attn.indexer.wq_b.weight", "self_attn.compressor.indexer.q_b_proj.weight"),
+    ("attn.indexer.weights_proj.weight", "self_attn.compressor.indexer.scorer.weights_proj.weight"),
+    ("attn.compressor.ape", "self_attn.compressor.position_bias"),
+    ("attn.compressor.wkv.weight", "self_attn.compressor.kv_proj.weight"),
+    ("attn.compressor.wgate.weight", "self_attn.compressor.gate_proj.weight"),
+    ("attn.compressor.norm.weight", "self_attn.compressor.kv_norm.weight"),
+    ("attn.wq_a.weight", "self_attn.q_a_proj.weight"), ("attn.q_norm.weight", "self_attn.q_a_norm.weight"),
+    ("attn.wq_b.weight", "self_attn.q_b_proj.weight"), ("attn.wkv.weight", "self_attn.kv_proj.weight"),
+    ("attn.kv_norm.weight", "self_attn.kv_norm.weight"), ("attn.wo_a.weight", "self_attn.o_a_proj.weight"),
+    ("attn.wo_b.weight", "self_attn.o_b_proj.weight"),
+    ("ffn.gate.weight", "mlp.gate.weight"), ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"),
+    ("ffn.gate.tid2eid", "mlp.gate.tid2eid"),
+    ("ffn.experts.w13", "mlp.experts.gate_up_proj"), ("ffn.experts.w2", "mlp.experts.down_proj"),
+    ("ffn.shared_experts.w1.weight", "mlp.shared_experts.gate_proj.weight"),
+    ("ffn.shared_experts.w3.weight", "mlp.shared_experts.up_proj.weight"),
+    ("ffn.shared_experts.w2.weight", "mlp.shared_experts.down_proj.weight"),
+]
+_TOP_RULES = [("embed.weight", "model.embed_tokens.weight"), ("head.weight", "lm_head.weight"),
+              ("norm.weight", "model.norm.weight"), ("hc_head_fn", "model.hc_head.hc_fn"),
+              ("hc_head_base", "model.hc_head.hc_base"), ("hc_head_scale", "model.hc_head.hc_scale")]
+_O2H = dict(_LAYER_RULES)
+_H2O = {h: o for o, h in _LAYER_RULES}
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def ours_to_hf_name(name: str) -> str | None:
+    """Our tensor name -> HF name (None for `mtp.*`, which HF does not hold)."""
+    top = dict(_TOP_RULES)
+    if name in top:
+        return top[name]
+    m = _LAYER.match(name)
+    if m and m.group(2) in _O2H:
+        return f"model.layers.{m.group(1)}.{_O2H[m.group(2)]}"
+    if name.startswith("mtp."):
+        return None
+    raise CheckpointError(f"no HF name for tensor {name}")
+
+
+def hf_to_ours_name(name: str) -> str:
+    top = {h: o for o, h in _TOP_RULES}
+    if name in top:
+        return top[name]
+    m = _HF_LAYER.match(name)
+    if m and m.group(2) in _H2O:
+        return f"layers.{m.group(1)}.{_H2O[m.group(2)]}"
+    raise CheckpointError(f"unexpected tensor {name}: no DSv4 counterpart")
+
+
+_EXPERT = re.compile(r"^(.*ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+
+
+def ours_to_official(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Split stacked experts into `ffn.experts.{e}.w1|w2|w3.weight`; `tid2eid` as int32."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("ffn.experts.w13"):
+            pre, f = k[: -len(".w13")], v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{pre}.{e}.w1.weight"] = v[e, :f].contiguous()
+                out[f"{pre}.{e}.w3.weight"] = v[e, f:].contiguous()
+        elif k.endswith("ffn.experts.w2"):
+            pre = k[: -len(".w2")]
+            for e in range(v.shape[0]):
+                out[f"{pre}.{e}.w2.weight"] = v[e].contiguous()
+        elif k.endswith("tid2eid"):
+            out[k] = v.to(torch.int32)
+        else:
+            out[k] = v
+    return out
+
+
+def official_to_ours(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stack `ffn.experts.{e}.w*` into w13 / w2 (experts must be 0..E-1, all three present)."""
+    out, experts = {}, {}
+    for k, v in sd.items():
+        if k.endswith(".scale") and not re.search(r"hc_(attn|ffn|head)_scale$", k):
+            raise CheckpointError(f"quantised tensor {k}: dequantise the checkpoint to bf16/fp32 first")
+        m = _EXPERT.match(k)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = v
+        else:
+            out[k] = v
+    for pre, per in experts.items():
+        E = len(per)
+        for e in range(E):
+            for w in ("w1", "w2", "w3"):
+                if w not in per.get(e, {}):
+                    raise CheckpointError(f"missing tensor {pre}.{e}.{w}.weight (experts 0..{E - 1} expected)")
+        out[f"{pre}.w13"] = torch.stack([torch.cat([per[e]["w1"], per[e]["w3"]], 0) for e in range(E)])
+        out[f"{pre}.w2"] = torch.stack([per[e]["w2"] for e in range(E)])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# config
+# ---------------------------------------------------------------------------------------------------------
+
+def config_to_hf(cfg: DSv4Config) -> dict:
+    """DSv4Config -> HF DeepseekV4Config kwargs (config.json), plus "dsv4_config" for an exact round trip."""
+    L = cfg.num_hidden_layers
+    if cfg.moe_layer_pattern is not None and "-" in cfg.moe_layer_pattern[:L]:
+        raise ConfigError("DSv4Config.moe_layer_pattern: HF DeepseekV4 has no dense MLP layers ('-')")
+    rope = {"rope_type": "default"}
+    if cfg.rope_scaling:
+        rs = cfg.rope_scaling
+        rope = {"rope_type": rs.get("type", rs.get("rope_type", "yarn")), "factor": rs["factor"],
+                "original_max_position_embeddings": rs["original_max_position_embeddings"],
+                "beta_fast": rs["beta_fast"], "beta_slow": rs["beta_slow"]}
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": L,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": 1, "head_dim": cfg.head_dim,
+        "partial_rotary_factor": cfg.qk_rope_head_dim / cfg.head_dim, "q_lora_rank": cfg.q_lora_rank,
+        "o_groups": cfg.o_groups, "o_lora_rank": cfg.o_lora_rank, "sliding_window": cfg.sliding_window,
+        "layer_types": [HF_TYPES[cfg.layer_kind(i)] for i in range(L)],
+        "compress_rates": {"compressed_sparse_attention": cfg.csa_ratio,
+                           "heavily_compressed_attention": cfg.hca_ratio},
+        "index_n_heads": cfg.index_n_heads, "index_head_dim": cfg.index_head_dim, "index_topk": cfg.index_topk,
+        "rope_theta": cfg.rope_theta, "compress_rope_theta": cfg.compress_rope_theta, "rope_parameters": rope,
+        "hc_mult": cfg.hc_mult, "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters, "hc_eps": cfg.hc_eps,
+        "n_routed_experts": cfg.n_routed_experts, "n_shared_experts": cfg.n_shared_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok, "moe_intermediate_size": cfg.moe_intermediate_size,
+        "routed_scaling_factor": cfg.routed_scaling_factor, "scoring_func": "sqrtsoftplus",
+        "norm_topk_prob": True, "swiglu_limit": cfg.swiglu_limit,
+        "mlp_layer_types": ["hash_moe" if cfg.is_hash(i) else "moe" for i in range(L)],
+        "num_nextn_predict_layers": cfg.num_nextn_predict_layers, "rms_norm_eps": cfg.rms_norm_eps,
+        "initializer_range": cfg.initializer_range, "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
+        "bos_token_id": 0, "eos_token_id": 1,
+        "dsv4_config": cfg.to_dict(),
+    }
+
+
+def config_from_hf(d: dict, **overrides) -> DSv4Config:
+    """HF config.json dict -> DSv4Config (HF fields win; the rest from "dsv4_config" when present)."""
+    def need(key):
+        if key not in d:
+            raise ConfigError(f"config.json: missing field {key!r}")
+        return d[key]
+
+    extra = dict(d.get("dsv4_config") or {})
+    L = need("num_hidden_layers")
+    c = need("head_dim")
+    r = d.get("qk_rope_head_dim") or int(round(c * d.get("partial_rotary_factor", 64 / 512)))
+    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128, **(d.get("compress_rates") or {})}
+    csa, hca = rates["compressed_sparse_attention"], rates["heavily_compressed_attention"]
+    if d.get("layer_types"):
+        kinds = {v: k for k, v in HF_TYPES.items()}
+        to_ratio = {"window": 0, "csa": csa, "hca": hca}
+        try:
+            ratios = [to_ratio[kinds[t]] for t in d["layer_types"][:L]]
+        except KeyError as e:
+            raise ConfigError(f"config.json: layer_types has unknown entry {e.args[0]!r}") from None
+    elif d.get("compress_ratios"):
+        ratios = [{0: 0, 4: csa, 128: hca}[x] for x in d["compress_ratios"][:L]]
+    else:
+        raise ConfigError("config.json: needs layer_types or compress_ratios (HF's default matches no model)")
+    n_mtp = d.get("num_nextn_predict_layers", 1)
+    mtp_ratios = extra.get("compress_ratios", [0] * (L + n_mtp))[L:L + n_mtp]
+    ratios = ratios + list(mtp_ratios) + [0] * (n_mtp - len(mtp_ratios))
+    mlp = d.get("mlp_layer_types")
+    n_hash = d.get("num_hash_layers", 3)
+    if mlp:
+        n_hash = next((i for i, t in enumerate(mlp) if t != "hash_moe"), len(mlp))
+        if "hash_moe" in mlp[n_hash:]:
+            raise ConfigError("config.json: mlp_layer_types has 'hash_moe' after a 'moe' layer (prefix only)")
+    rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_theta, comp_theta = d.get("rope_theta", 10000.0), d.get("compress_rope_theta", 160000.0)
+    if isinstance(rp.get("compress"), dict):
+        rope_theta = rp.get("main", {}).get("rope_theta", rope_theta)
+        rp = rp["compress"]
+        comp_theta = rp.get("rope_theta", comp_theta)
+    rtype = rp.get("rope_type", rp.get("type", "default"))
+    scaling = None
+    if rtype == "yarn":
+        scaling = {"type": "yarn", "factor": rp["factor"],
+                   "original_max_position_embeddings": rp["original_max_position_embeddings"],
+                   "beta_fast": rp.get("beta_fast", 32.0), "beta_slow": rp.get("beta_slow", 1.0)}
+    elif rtype != "default":
+        raise ConfigError(f"config.json: rope type {rtype!r} not supported (default | yarn)")
+    hf = dict(
+        vocab_size=need("vocab_size"), hidden_size=need("hidden_size"), num_hidden_layers=L,
+        num_attention_heads=need("num_attention_heads"), head_dim=c, qk_rope_head_dim=r,
+        q_lora_rank=need("q_lora_rank"), o_groups=need("o_groups"), o_lora_rank=need("o_lora_rank"),
+        sliding_window=need("sliding_window"), compress_ratios=ratios, csa_ratio=csa, hca_ratio=hca,
+        index_n_heads=need("index_n_heads"), index_head_dim=need("index_head_dim"), index_topk=need("index_topk"),
+        rope_theta=float(rope_theta), compress_rope_theta=float(comp_theta), rope_scaling=scaling,
+        hc_mult=d.get("hc_mult", 4), hc_sinkhorn_iters=d.get("hc_sinkhorn_iters", 20), hc_eps=d.get("hc_eps", 1e-6),
+        n_routed_experts=need("n_routed_experts"), n_shared_experts=d.get("n_shared_experts", 1),
+        num_experts_per_tok=need("num_experts_per_tok"), moe_intermediate_size=need("moe_intermediate_size"),
+        routed_scaling_factor=d.get("routed_scaling_factor", 1.5), num_hash_layers=n_hash,
+        swiglu_limit=d.get("swiglu_limit", 10.0), num_nextn_predict_layers=n_mtp,
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6), initializer_range=d.get("initializer_range", 0.02),
+        max_position_embeddings=d.get("max_position_embeddings", 1048576),
+        tie_word_embeddings=d.get("tie_word_embeddings", False),
+    )
+    if d.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":
+        raise ConfigError(f"config.json: scoring_func {d['scoring_func']!r} not supported (sqrtsoftplus)")
+    if hf["tie_word_embeddings"]:
+        raise ConfigError("config.json: tie_word_embeddings=true not supported (DSv4 head is untied)")
+    merged = {**extra, **hf, **overrides}
+    return DSv4Config.from_dict(merged)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# files
+# ---------------------------------------------------------------------------------------------------------
+
+def _read_dir(directory: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+    cfg_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{directory}: no config.json")
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no .safetensors files (only safetensors checkpoints are read)")
+    with open(cfg_path) as fh:
+        d = json.load(fh)
+    sd = {}
+    for f in files:
+        sd.update(load_file(os.path.join(directory, f)))
+    return d, sd
+
+
+def _write_dir(directory: str, config: dict, sd: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as fh:
+        json.dump(config, fh, indent=2)
+    save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()}, os.path.join(directory, "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def load_checked(model, sd: dict[str, torch.Tensor]) -> None:
+    """Copy `sd` into `model` (our names); refuse missing / unexpected / wrongly shaped tensors in one line."""
+    want = model.state_dict()
+    for k, v in want.items():
+        if k not in sd:
+            raise CheckpointError(f"missing tensor {k}: model expects shape {list(v.shape)}, checkpoint has none")
+        if tuple(sd[k].shape) != tuple(v.shape):
+            raise CheckpointError(f"tensor {k}: checkpoint shape {list(sd[k].shape)}, model expects {list(v.shape)}")
+    extra = sorted(set(sd) - set(want))
+    if extra:
+        raise CheckpointError(f"unexpected tensor {extra[0]}: checkpoint shape {list(sd[extra[0]].shape)}, "
+                              f"model has none")
+    with torch.no_grad():
+        for k, v in want.items():
+            v.copy_(sd[k])
+
+
+def _build(cfg):
+    from dsv4.model.model import DSv4Model
+    return DSv4Model(cfg)
+
+
+def normalise_hf_names(hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Any HF-side naming -> ours. Accepts HF module names (spec §11.3, stacked experts), the names
+    `save_pretrained` writes (official names under `model.`, per-expert tensors, `attn.norm` for the attention
+    kv_norm, `head.weight`), and plain official hub names (incl. `mtp.*`)."""
+    top = {h: o for o, h in _TOP_RULES}
+    official = {}
+    out = {}
+    for k, v in hf_sd.items():
+        if k in top:
+            out[top[k]] = v
+            continue
+        m = _HF_LAYER.match(k)
+        if m and m.group(2) in _H2O:
+            out[f"layers.{m.group(1)}.{_H2O[m.group(2)]}"] = v
+            continue
+        o = k[len("model."):] if k.startswith("model.") else k
+        o = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight", "hc_head.hc_fn": "hc_head_fn",
+             "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}.get(o, o)
+        o = re.sub(r"\.attn\.norm\.weight$", ".attn.kv_norm.weight", o)      # save_pretrained's reverse rename
+        official[o] = v
+    for k, v in official_to_ours(official).items():
+        if k in out:
+            raise CheckpointError(f"tensor {k} given twice (two namings in one checkpoint)")
+        out[k] = v
+    return out
+
+
+def from_hf(directory: str, **overrides):
+    """A Hugging Face DeepseekV4 checkpoint directory -> DSv4Model (fp32; HF's clamped shared expert).
+
+    `mtp.*` tensors (official names) are loaded when present; otherwise the MTP block keeps its fresh init.
+    """
+    d, hf_sd = _read_dir(directory)
+    overrides.setdefault("shared_expert_clamp", True)
+    cfg = config_from_hf(d, **overrides)
+    model = _build(cfg)
+    sd = normalise_hf_names(hf_sd)
+    if not any(k.startswith("mtp.") for k in sd):
+        sd.update({k: v for k, v in model.state_dict().items() if k.startswith("mtp.")})
+    load_checked(model, sd)
+    return model
+
+
+def to_hf(model, directory: str) -> None:
+    """DSv4Model -> HF DeepseekV4 directory (config.json + model.safetensors); `mtp.*` in official names."""
+    sd = model.state_dict()
+    out = {}
+    for k, v in sd.items():
+        if not k.startswith("mtp."):
+            out[ours_to_hf_name(k)] = v
+    out.update(ours_to_official({k: v for k, v in sd.items() if k.startswith("mtp.")}))
+    _write_dir(directory, config_to_hf(model.cfg), out)
+
+
+def load_official(directory: str, **overrides):
+    """An official-naming checkpoint directory (config.json + safetensors) -> DSv4Model (unclamped shared expert)."""
+    d, off = _read_dir(directory)
+    cfg = config_from_hf(d, **overrides)
+    model = _build(cfg)
+    load_checked(model, official_to_ours(off))
+    return model
+
+
+def save_official(model, directory: str) -> None:
+    _write_dir(directory, config_to_hf(model.cfg), ours_to_official(model.state_dict()))
+
+
+def convert(src: str, dst: str, src_format: str, dst_format: str) -> dict:
+    """Convert a checkpoint directory between "hf" and "official"; returns a small summary dict."""
+    loaders = {"hf": from_hf, "official": load_official}
+    savers = {"hf": to_hf, "official": save_official}
+    if src_format not in loaders:
+        raise CheckpointError(f"--from: unknown format {src_format!r} (hf | official)")
+    if dst_format not in savers:
+        raise CheckpointError(f"--to: unknown format {dst_format!r} (hf | official)")
+    model = loaders[src_format](src)
+    savers[dst_format](model, dst)
+    n = sum(v.numel() for v in model.state_dict().values())
+    return {"src": src, "dst": dst, "from": src_format, "to": dst_format, "tensors": len(model.state_dict()),
+            "elements": n, "layers": model.cfg.num_hidden_layers, "mtp": model.cfg.num_nextn_predict_layers}
