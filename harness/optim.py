@@ -17,7 +17,8 @@ updated with Muon"). Our choices where the report is silent, stated here and in 
   * mHC `fn` projections (`hc_*_fn`, also `hc_head_fn`) are matrices -> Muon (they are "other modules");
   * attention sinks, compressor `ape`, the router's `e_score_correction_bias` (if it is a Parameter) and any
     other 1-D tensor -> AdamW without weight decay (they are biases / positional offsets, not linear maps);
-  * stacked routed experts [E, out, in] -> Muon, orthogonalised per expert (batched NS over the first axis).
+  * stacked routed experts [E, out, in] -> Muon, orthogonalised per expert (batched NS over the first axis);
+    a fused `w13` ([E, 2f, d] = w1 over w3) is orthogonalised as its two matrices w1 and w3 separately.
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
                                       update_rms=update_rms))
         self.ns_dtype = ns_dtype
+        self.split: dict = {}                                             # param -> number of fused matrices
         for g in self.param_groups:
             for p in g["params"]:
                 if p.ndim < 2:
@@ -84,8 +86,10 @@ class Muon(torch.optim.Optimizer):
                 buf = st["momentum_buffer"]
                 buf.mul_(mu).add_(grad)                                   # M_t = mu M_{t-1} + G_t
                 upd = grad.add(buf, alpha=mu) if g["nesterov"] else buf  # mu M_t + G_t
-                O = hybrid_newton_schulz(upd, dtype=self.ns_dtype)        # [..., n, m]
-                n, m = p.shape[-2], p.shape[-1]
+                k = self.split.get(p, 1)                                  # fused [.., k*n, m] -> k matrices
+                n, m = p.shape[-2] // k, p.shape[-1]
+                O = torch.cat([hybrid_newton_schulz(u, dtype=self.ns_dtype)
+                               for u in upd.split(n, dim=-2)], dim=-2)   # [..., k*n, m]
                 O = O * (math.sqrt(max(n, m)) * g["update_rms"])
                 p.mul_(1 - lr * wd)
                 p.add_(O.to(p.dtype), alpha=-lr)
@@ -174,6 +178,9 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.1
         muon = Muon(buckets["muon"], lr=lr, momentum=momentum, weight_decay=weight_decay,
                     update_rms=update_rms, ns_dtype=ns_dtype)
         muon.param_groups[0]["name"] = "muon"
+        for n, p in model.named_parameters():                            # experts.w13 = [E, w1;w3]: 2 matrices
+            if n.endswith("w13") and p.requires_grad:
+                muon.split[p] = 2
     groups = [dict(params=buckets[g], name=g, weight_decay=0.0 if g in NO_DECAY else weight_decay)
               for g in ADAMW_GROUPS if buckets.get(g)]
     adamw = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False) if groups else None

@@ -1,0 +1,298 @@
+"""`dsv4 train`: a real single-device training loop for the DSv4 model (issue 5; slices P8 data, D9 metrics).
+
+    dsv4 train --recipe debug|tiny|proxy [--steps N] [--out DIR] [--resume DIR] [--seed S]
+               [--device cpu|cuda] [--dtype fp32|bf16] [--save-interval K] [--json]
+
+Per step: forward (LM + MTP + indexer + MoE aux losses inside the model), backward, gradient clipping, Muon +
+AdamW step with warm-up + cosine LR (harness/optim.py), MoE expert-bias update. Recorded per step, under
+Megatron's metric names where one exists: `lm loss`, `mtp_1 loss`, `indexer loss`, `moe aux loss`,
+`total loss`, `grad-norm`, `num-zeros` (zero entries in the gradients, as `--log-num-zeros-in-grad`),
+`iteration-time`, `tokens-per-sec`, `tflops` (model FLOPs from harness/flops.py), `lr`, and on CUDA
+`mem-allocated-bytes` / `mem-max-allocated-bytes`.
+
+Outputs in `--out`: TensorBoard events (`tensorboard/`), `golden_values.json` (Megatron's golden-values
+format: per metric {start_step, end_step, step_interval, values {"1": ...}}, 5 decimals, "nan" if missing),
+`metrics.jsonl`, `run.json` (provenance), `checkpoints/` (harness/checkpoint.py; atomic).
+
+Determinism: on CPU, `torch.use_deterministic_algorithms(True)` and a fixed thread count (1 by default), the
+data order is a pure function of (seed, consumed samples); resuming from step k replays steps k+1.. exactly.
+bf16 uses autocast with FP32 master parameters (the optimiser state stays FP32).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, asdict
+
+import click
+import torch
+
+from dsv4.harness import checkpoint as ckpt
+from dsv4.harness.data import GPTSamples, IndexedTokens, build_text_dataset
+from dsv4.harness.flops import flops_per_token
+from dsv4.harness.optim import build_optimizer, lr_at
+from dsv4.model.config import ConfigError, DSv4Config, get_config
+
+GOLDEN_METRICS = ("lm loss", "mtp_1 loss", "indexer loss", "moe aux loss", "total loss", "num-zeros",
+                  "grad-norm", "iteration-time", "mem-allocated-bytes", "mem-max-allocated-bytes")
+
+
+@dataclass
+class Recipe:
+    config: str
+    batch_size: int
+    seq_len: int
+    steps: int
+    lr: float
+    min_lr: float
+    warmup: int
+    clip_grad: float = 1.0
+    weight_decay: float = 0.1
+    device: str = "cpu"
+    dtype: str = "fp32"
+    threads: int = 1
+    save_interval: int = 0
+
+
+RECIPES = {
+    # a few seconds on 2 CPU cores
+    "debug": Recipe("debug", batch_size=2, seq_len=32, steps=12, lr=1e-2, min_lr=1e-3, warmup=2),
+    # the CPU loss-curve golden: >= 200 steps of real text, < 2 min on 2 cores
+    "tiny": Recipe("tiny", batch_size=4, seq_len=64, steps=200, lr=6e-3, min_lr=6e-4, warmup=10),
+    # one H200 (issue 7 proxy model), bf16
+    "proxy": Recipe("proxy", batch_size=1, seq_len=4096, steps=100, lr=2.7e-4, min_lr=2.7e-5, warmup=10,
+                    device="cuda", dtype="bf16", threads=8),
+}
+
+
+class TrainError(ValueError):
+    """Bad training input; one line."""
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _git_sha() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("-dirty" if dirty else "") if sha else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def config_hash(cfg: DSv4Config) -> str:
+    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def golden_values(history: list[dict], metrics=GOLDEN_METRICS) -> dict:
+    """Megatron golden-values JSON from per-step records (dev style: every grid step filled, "nan" if missing)."""
+    out = {}
+    if not history:
+        return out
+    steps = [h["step"] for h in history]
+    start, end = min(steps), max(steps)
+    by_step = {h["step"]: h for h in history}
+    for m in metrics:
+        if not any(m in h for h in history):
+            continue
+        vals = {}
+        for s in range(start, end + 1):
+            v = by_step.get(s, {}).get(m)
+            vals[str(s)] = "nan" if v is None or (isinstance(v, float) and not math.isfinite(v)) else round(float(v), 5)
+        out[m] = {"start_step": start, "end_step": end, "step_interval": 1, "values": vals}
+    return out
+
+
+def _atomic_json(path: str, data) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def build_model(cfg: DSv4Config):
+    from dsv4.model import model as _m                                     # imported late: model is big
+    return _m.DSv4Model(cfg)
+
+
+# ------------------------------------------------------------------------------------------------ the loop
+def train(recipe: Recipe, out: str, seed: int = 1234, resume: str | None = None, model_factory=build_model,
+          progress: bool = True, log=lambda s: print(s, file=sys.stderr)) -> dict:
+    """Run `recipe` into `out`; returns a summary dict. `model_factory(cfg)` builds the model (tests may swap)."""
+    if recipe.steps < 1:
+        raise TrainError(f"train.steps: must be >= 1, got {recipe.steps}")
+    if recipe.device not in ("cpu", "cuda"):
+        raise TrainError(f"train.device: must be cpu|cuda, got {recipe.device!r}")
+    if recipe.device == "cuda" and not torch.cuda.is_available():
+        raise TrainError("train.device: cuda requested but no CUDA device is available")
+    if recipe.dtype not in ("fp32", "bf16"):
+        raise TrainError(f"train.dtype: must be fp32|bf16, got {recipe.dtype!r}")
+    t_start = time.time()
+    os.makedirs(out, exist_ok=True)
+    device = torch.device(recipe.device)
+    if device.type == "cpu":
+        torch.set_num_threads(recipe.threads)
+        torch.use_deterministic_algorithms(True)
+    else:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+    cfg = get_config(recipe.config)
+    data_info = build_text_dataset(os.path.join(out, "data", "stdlib_text"))
+    if data_info["tokens"] and cfg.vocab_size < 256:
+        raise TrainError(f"train.config: vocab_size {cfg.vocab_size} < 256 cannot hold byte tokens")
+    samples = GPTSamples(IndexedTokens(os.path.join(out, "data", "stdlib_text")), recipe.seq_len, seed)
+
+    torch.manual_seed(seed)
+    model = model_factory(cfg).to(device)
+    model.train()
+    opt = build_optimizer(model, lr=recipe.lr, weight_decay=recipe.weight_decay)
+    params = [p for p in model.parameters() if p.requires_grad]
+    fl = flops_per_token(cfg, recipe.seq_len)["total_training_flops_per_token"]
+
+    step0, history = 0, []
+    if resume:
+        m_state, o_state, rng, meta = ckpt.load_checkpoint(resume)
+        def core(r):
+            return {k: v for k, v in r.items() if k not in ("steps", "save_interval")}
+        if meta["config_hash"] != config_hash(cfg) or core(meta["recipe"]) != core(asdict(recipe)):
+            raise TrainError(f"resume: checkpoint {resume!r} was made with another recipe/config")
+        if meta["seed"] != seed:
+            raise TrainError(f"resume: checkpoint seed {meta['seed']} != --seed {seed}")
+        model.load_state_dict({k: v.to(device) for k, v in m_state.items()}, strict=True)
+        opt.load_state_dict(o_state)
+        ckpt.set_rng_state(rng)
+        step0, history = meta["step"], meta["history"]
+        log(f"resumed from {resume} at step {step0}")
+
+    run_info = {"recipe": asdict(recipe), "config": recipe.config, "config_hash": config_hash(cfg), "seed": seed,
+                "git_sha": _git_sha(), "torch": torch.__version__, "python": platform.python_version(),
+                "platform": platform.platform(), "machine": platform.machine(), "device": str(device),
+                "device_name": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+                "threads": torch.get_num_threads(), "deterministic": torch.are_deterministic_algorithms_enabled(),
+                "data": data_info, "flops_per_token": fl, "resumed_from": resume, "start_step": step0 + 1,
+                "command": " ".join(sys.argv)}
+    _atomic_json(os.path.join(out, "run.json"), run_info)
+
+    from torch.utils.tensorboard import SummaryWriter
+    tb = SummaryWriter(log_dir=os.path.join(out, "tensorboard"))
+    from tqdm import tqdm
+    bar = tqdm(total=recipe.steps, initial=step0, file=sys.stderr, disable=not progress, desc="train",
+               dynamic_ncols=True)
+    tokens_per_step = recipe.batch_size * recipe.seq_len
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if recipe.dtype == "bf16" else None
+    ckpt_dir = os.path.join(out, "checkpoints")
+    metrics_f = open(os.path.join(out, "metrics.jsonl"), "a" if resume else "w")
+    for step in range(step0 + 1, recipe.steps + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        lr = lr_at(step, recipe.lr, recipe.warmup, recipe.steps, recipe.min_lr)
+        opt.set_lr(lr)
+        x, y = samples.batch((step - 1) * recipe.batch_size, recipe.batch_size)
+        x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
+        opt.zero_grad(set_to_none=True)
+        if amp is not None:
+            with amp:
+                o = model(x, y)
+        else:
+            o = model(x, y)
+        o.loss.backward()
+        num_zeros = sum(int((p.grad == 0).sum()) if p.grad is not None else p.numel() for p in params)
+        gnorm = float(torch.nn.utils.clip_grad_norm_(params, recipe.clip_grad))
+        opt.step()
+        if hasattr(model, "update_expert_bias"):
+            model.update_expert_bias()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        rec = {"step": step, "lr": lr, "total loss": float(o.loss.detach()), "grad-norm": gnorm,
+               "num-zeros": float(num_zeros), "iteration-time": dt, "tokens-per-sec": tokens_per_step / dt,
+               "tflops": fl * tokens_per_step / dt / 1e12}
+        rec.update({k: float(v) for k, v in o.losses.items()})
+        if device.type == "cuda":
+            ms = torch.cuda.memory_stats()
+            rec["mem-allocated-bytes"] = float(ms["allocated_bytes.all.current"])
+            rec["mem-max-allocated-bytes"] = float(ms["allocated_bytes.all.peak"])
+        history.append(rec)
+        for k, v in rec.items():
+            if k != "step":
+                tb.add_scalar(k, v, step)
+        metrics_f.write(json.dumps(rec) + "\n")
+        metrics_f.flush()
+        bar.update(1)
+        bar.set_postfix(loss=f"{rec['lm loss']:.4f}", tok_s=f"{rec['tokens-per-sec']:.0f}")
+        if recipe.save_interval and step % recipe.save_interval == 0 and step < recipe.steps:
+            ckpt.save_checkpoint(ckpt_dir, step, model, opt.state_dict(),
+                                 {"history": history, "consumed_samples": step * recipe.batch_size,
+                                  "seed": seed, "config_hash": config_hash(cfg), "recipe": asdict(recipe)})
+    bar.close()
+    tb.flush()
+    tb.close()
+    metrics_f.close()
+    if recipe.save_interval:
+        ckpt.save_checkpoint(ckpt_dir, recipe.steps, model, opt.state_dict(),
+                             {"history": history, "consumed_samples": recipe.steps * recipe.batch_size,
+                              "seed": seed, "config_hash": config_hash(cfg), "recipe": asdict(recipe)})
+    gv = golden_values(history)
+    _atomic_json(os.path.join(out, "golden_values.json"), gv)
+    lm = [h["lm loss"] for h in history]
+    summary = {"out": os.path.abspath(out), "recipe": recipe.config, "steps": recipe.steps, "start_step": step0 + 1,
+               "seed": seed, "device": str(device), "dtype": recipe.dtype,
+               "lm_loss_first": lm[0] if lm else None, "lm_loss_last": lm[-1] if lm else None,
+               "lm loss": [round(v, 5) for v in lm], "wall_s": round(time.time() - t_start, 3),
+               "median_iteration_time": sorted(h["iteration-time"] for h in history)[len(history) // 2],
+               "tokens_per_sec": tokens_per_step / (sorted(h["iteration-time"] for h in history)[len(history) // 2]),
+               "flops_per_token": fl, "golden_values": os.path.join(os.path.abspath(out), "golden_values.json"),
+               "config_hash": config_hash(cfg)}
+    return summary
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+@click.command("train")
+@click.option("--recipe", type=click.Choice(sorted(RECIPES)), required=True)
+@click.option("--steps", type=int, default=None, help="number of steps (default: the recipe's)")
+@click.option("--out", "out", type=click.Path(), default=None, help="output dir (default runs/<recipe>)")
+@click.option("--resume", type=click.Path(), default=None, help="run dir or checkpoint dir to resume from")
+@click.option("--seed", type=int, default=1234, show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None)
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None)
+@click.option("--save-interval", type=int, default=None, help="checkpoint every K steps (0 = never)")
+@click.option("--threads", type=int, default=None, help="CPU threads (determinism needs a fixed count)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON summary on stdout")
+def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, threads, as_json):
+    """Train a DSv4 model on one device (debug: seconds on CPU; tiny: the CPU loss-curve golden)."""
+    r = RECIPES[recipe]
+    kw = {k: v for k, v in dict(steps=steps, device=device, dtype=dtype, save_interval=save_interval,
+                                 threads=threads).items() if v is not None}
+    try:
+        if steps is not None and steps < 1:
+            raise TrainError(f"train.steps: must be >= 1, got {steps}")
+        if save_interval is not None and save_interval < 0:
+            raise TrainError(f"train.save_interval: must be >= 0, got {save_interval}")
+        if threads is not None and threads < 1:
+            raise TrainError(f"train.threads: must be >= 1, got {threads}")
+        if resume and "steps" not in kw:
+            raise TrainError("train.steps: --resume needs --steps (the total number of steps)")
+        r = Recipe(**{**asdict(r), **kw})
+        res = train(r, out or os.path.join("runs", recipe), seed=seed, resume=resume, progress=True)
+    except (TrainError, ConfigError, ckpt.CheckpointError) as e:
+        click.echo(f"error: {str(e).splitlines()[0]}", err=True)
+        sys.exit(2)
+    if as_json:
+        click.echo(json.dumps(res))
+    else:
+        click.echo(f"{recipe}: {res['steps']} steps, lm loss {res['lm_loss_first']:.4f} -> {res['lm_loss_last']:.4f}, "
+                   f"{res['tokens_per_sec']:.0f} tokens/s, {res['wall_s']:.1f} s; wrote {res['golden_values']}",
+                   err=True)
