@@ -15,7 +15,6 @@ import click
 LAZY = {   # commands that live beside the code they drive
     "train": ("dsv4.harness.train", "train_cmd"),
     "flops": ("dsv4.harness.flops", "flops_cmd"),
-    "bench": ("dsv4.harness.bench", "bench_cmd"),
     "convert": ("dsv4.harness.convert_cli", "convert_cmd"),
 }
 
@@ -258,6 +257,33 @@ def import_cmd(logdir, platform, sid, name, step_interval, metrics, as_json):
     click.echo(f"wrote {path} ({', '.join(doc)})", err=True)
     if as_json:
         emit_json({"file": str(path), "metrics": {k: len(v["values"]) for k, v in doc.items()}})
+
+
+# ------------------------------------------------------------------------------------------- bench
+class BenchGroup(click.Group):
+    """`bench train` (end-to-end vs Hugging Face) and `bench kernels` (Triton vs naive vs peers)."""
+
+    def list_commands(self, ctx):
+        return ["kernels", "train"]
+
+    def get_command(self, ctx, name):
+        if name == "train":
+            from dsv4.harness.bench_train import bench_train_cmd
+            return bench_train_cmd
+        if name == "kernels":
+            try:
+                cmd = importlib.import_module("dsv4.harness.bench").bench_cmd
+            except (ImportError, AttributeError) as e:
+                raise BadInput(f"bench kernels is not available in this checkout ({e})") from None
+            if isinstance(cmd, click.Group):
+                return cmd.get_command(ctx, "kernels") or cmd
+            return cmd
+        return None
+
+
+@main.group("bench", cls=BenchGroup)
+def bench_grp():
+    """H200 benchmarks, results as JSON with provenance (store them under goldens/h200/)."""
 
 
 # ------------------------------------------------------------------------------------------- compare
