@@ -274,7 +274,10 @@ class BenchGroup(click.Group):
             try:
                 cmd = importlib.import_module("dsv4.harness.bench").bench_cmd
             except (ImportError, AttributeError) as e:
-                raise BadInput(f"bench kernels is not available in this checkout ({e})") from None
+                @click.command("kernels", help=f"(unavailable: {e})")
+                def _missing():
+                    raise BadInput(f"bench kernels is not available in this checkout ({e})")
+                return _missing
             if isinstance(cmd, click.Group):
                 return cmd.get_command(ctx, "kernels") or cmd
             return cmd
