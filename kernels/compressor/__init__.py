@@ -8,6 +8,9 @@ _IMPLS = {"naive": naive.compress_pool}
 
 def compress_pool(kv, gate, ape, ratio: int, overlap: bool, backend: str = "naive"):
     """kv, gate [S,B,coff*D]; ape [m, coff*D] -> [S//m, B, D]. See `naive.compress_pool`."""
+    if backend == "triton" and "triton" not in _IMPLS:             # lazy: triton is imported only when asked for
+        from . import triton as _triton
+        _IMPLS["triton"] = _triton.compress_pool
     if backend not in _IMPLS:
         raise ValueError(f"compress_pool: unknown backend {backend!r}; known: {', '.join(_IMPLS)}")
     return _IMPLS[backend](kv, gate, ape, ratio, overlap)
