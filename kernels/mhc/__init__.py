@@ -1,8 +1,8 @@
 """mHC ops (spec §4): `sinkhorn`, `hc_pre`, `hc_post`, `hc_head`, each with `backend="naive"|"triton"`.
 
 Backends are registered in `BACKENDS` (name -> module exposing the four functions); "triton" is imported
-lazily from `.triton` (written by the kernels helper) the first time it is asked for. A backend module that
-lacks a function falls back to nothing: it must provide all it is asked for.
+lazily from `.triton` (written by the kernels helper) the first time it is asked for. A function that a
+backend module does not provide (e.g. `hc_head` in Triton) falls back to the naive reference.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _impl(backend: str, name: str):
         BACKENDS["triton"] = importlib.import_module(f"{__name__}.triton")
     if backend not in BACKENDS:
         raise ValueError(f"mhc.{name}: unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
-    return getattr(BACKENDS[backend], name)
+    return getattr(BACKENDS[backend], name, None) or getattr(naive, name)
 
 
 def sinkhorn(logits, iters, eps, backend: str = "naive"):
