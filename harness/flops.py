@@ -62,7 +62,7 @@ def _layer_params(cfg: DSv4Config, i: int) -> dict:
     if cfg.is_moe(i):
         E, K, f = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
         p["router"] = E * d
-        p["router_vec"] = 0 if cfg.is_hash(i) else E                                           # e_score_correction_bias
+        p["router_vec"] = 0            # e_score_correction_bias [E] is a buffer (HF and ours), not a parameter
         p["routed_expert_each"] = 3 * d * f
         p["routed_experts_total"] = E * 3 * d * f
         p["routed_experts_active"] = K * 3 * d * f

@@ -128,7 +128,20 @@ def build_model(cfg: DSv4Config):
 # ------------------------------------------------------------------------------------------------ the loop
 def train(recipe: Recipe, out: str, seed: int = 1234, resume: str | None = None, model_factory=build_model,
           progress: bool = True, log=lambda s: print(s, file=sys.stderr)) -> dict:
-    """Run `recipe` into `out`; returns a summary dict. `model_factory(cfg)` builds the model (tests may swap)."""
+    """Run `recipe` into `out`; returns a summary dict. `model_factory(cfg)` builds the model (tests may swap).
+
+    The process-wide settings it changes (thread count, deterministic algorithms) are restored on return.
+    """
+    saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        return _train(recipe, out, seed, resume, model_factory, progress, log)
+    finally:
+        torch.set_num_threads(saved[0])
+        torch.use_deterministic_algorithms(saved[1], warn_only=saved[2])
+
+
+def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
     if recipe.steps < 1:
         raise TrainError(f"train.steps: must be >= 1, got {recipe.steps}")
     if recipe.device not in ("cpu", "cuda"):

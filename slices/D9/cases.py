@@ -1,0 +1,62 @@
+"""D9 golden cases: CPU loss curves (deterministic, tol (0, 0)), FLOP accounting, hybrid Newton–Schulz bounds."""
+import tempfile
+from dataclasses import replace
+
+import torch
+
+from dsv4.harness.cases import golden_case
+
+
+def _curve(recipe: str, steps: int | None = None) -> dict:
+    from dsv4.harness.train import RECIPES, train
+    r = RECIPES[recipe] if steps is None else replace(RECIPES[recipe], steps=steps)
+    with tempfile.TemporaryDirectory() as d:
+        res = train(r, d, seed=1234, progress=False)
+        import json
+        hist = [json.loads(line) for line in open(f"{d}/metrics.jsonl")]
+    return {"lm_loss": torch.tensor([h["lm loss"] for h in hist], dtype=torch.float64),
+            "mtp_1_loss": torch.tensor([h["mtp_1 loss"] for h in hist], dtype=torch.float64),
+            "num_zeros": torch.tensor([int(h["num-zeros"]) for h in hist], dtype=torch.int64),
+            "steps": len(hist), "lm_loss_first": res["lm_loss_first"], "lm_loss_last": res["lm_loss_last"]}
+
+
+@golden_case("debug_loss_curve", tol={"lm_loss": (0, 0), "mtp_1_loss": (0, 0), "lm_loss_first": (0, 0),
+                                      "lm_loss_last": (0, 0)})
+def debug_loss_curve():
+    """`dsv4 train --recipe debug` (12 steps, CPU, 1 thread, deterministic): bit-exact loss curve."""
+    return _curve("debug")
+
+
+@golden_case("tiny_loss_curve", tol={"lm_loss": (0, 0), "mtp_1_loss": (0, 0), "lm_loss_first": (0, 0),
+                                     "lm_loss_last": (0, 0)})
+def tiny_loss_curve():
+    """`dsv4 train --recipe tiny` (200 steps of byte-level stdlib text, CPU, deterministic): the loss-curve golden."""
+    return _curve("tiny")
+
+
+@golden_case("flops_4096", tol={f"{n}_{k}": (0, 1e-12) for n in ("flash", "pro", "proxy")
+                                for k in ("train_flops_per_token", "attention_flops_per_token")})
+def flops_4096():
+    """Per-token training FLOPs and parameter counts of flash / pro / proxy at seq 4096 (harness/flops.py)."""
+    from dsv4.harness.flops import flops_per_token
+    from dsv4.model.config import get_config
+    out = {}
+    for n in ("flash", "pro", "proxy"):
+        f = flops_per_token(get_config(n), 4096)
+        out[f"{n}_train_flops_per_token"] = float(f["total_training_flops_per_token"])
+        out[f"{n}_attention_flops_per_token"] = float(sum(f["total"][k] for k in (
+            "window_attention", "csa_selected_keys", "hca_compressed_keys", "indexer_scoring")))
+        out[f"{n}_active_params"] = int(f["active_params"])
+        out[f"{n}_total_params"] = int(f["total_params"])
+    return out
+
+
+@golden_case("hybrid_ns_bounds", tol={"smin": (1e-6, 0), "smax": (1e-6, 0), "smin8": (1e-6, 0),
+                                      "smax8": (1e-6, 0)})
+def hybrid_ns_bounds():
+    """Singular-value range of the hybrid Newton–Schulz output (fp64) of a seeded 96x160 Gaussian matrix."""
+    from dsv4.harness.optim import NS_STEPS, hybrid_newton_schulz
+    G = torch.randn(96, 160, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    s = torch.linalg.svdvals(hybrid_newton_schulz(G, dtype=torch.float64))
+    s8 = torch.linalg.svdvals(hybrid_newton_schulz(G, steps=NS_STEPS[:8], dtype=torch.float64))
+    return {"smin": float(s.min()), "smax": float(s.max()), "smin8": float(s8.min()), "smax8": float(s8.max())}

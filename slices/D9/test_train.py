@@ -1,0 +1,163 @@
+"""D9 training loop: bit-exact debug curves, Megatron golden-values output, exact resume, SIGKILL-safe checkpoints."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dsv4.harness import checkpoint as ck
+from dsv4.harness.train import golden_values, train_cmd
+
+EXACT = ("lm loss", "mtp_1 loss", "indexer loss", "moe aux loss", "total loss", "grad-norm", "num-zeros", "lr")
+
+
+def _run(args):
+    r = CliRunner().invoke(train_cmd, args)
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)                                        # exactly one JSON document on stdout
+
+
+def _hist(out):
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def test_debug_twice_identical_and_falling(tmp_path):
+    a = _run(["--recipe", "debug", "--steps", "12", "--out", str(tmp_path / "A"), "--json"])
+    b = _run(["--recipe", "debug", "--steps", "12", "--out", str(tmp_path / "B"), "--json"])
+    assert len(a["lm loss"]) == 12 and a["lm loss"] == b["lm loss"]
+    ha, hb = _hist(tmp_path / "A"), _hist(tmp_path / "B")
+    for k in EXACT:
+        assert [h[k] for h in ha] == [h[k] for h in hb], k             # bit-exact, every metric
+    lm = a["lm loss"]
+    assert lm[0] > 5.3 and sum(lm[-3:]) / 3 < lm[0] - 1.0              # ln(256) = 5.55 -> clearly falling
+    # Megatron golden-values JSON
+    gv = json.load(open(tmp_path / "A" / "golden_values.json"))
+    for k in ("lm loss", "mtp_1 loss", "indexer loss", "num-zeros", "iteration-time"):
+        assert gv[k]["start_step"] == 1 and gv[k]["end_step"] == 12 and gv[k]["step_interval"] == 1
+        assert list(gv[k]["values"]) == [str(i) for i in range(1, 13)]
+    assert gv["lm loss"]["values"]["1"] == round(ha[0]["lm loss"], 5)
+    assert "mem-allocated-bytes" not in gv                             # CPU: no device memory metric
+    run = json.load(open(tmp_path / "A" / "run.json"))
+    for k in ("git_sha", "config_hash", "seed", "torch", "platform", "data", "recipe"):
+        assert k in run
+    assert run["data"]["tokenizer"] == "byte" and run["deterministic"] is True
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "A" / "tensorboard"))
+    assert torch.get_num_threads() >= 1 and not torch.are_deterministic_algorithms_enabled()   # restored
+
+
+def test_golden_values_format():
+    hist = [{"step": 1, "lm loss": 1.234567891}, {"step": 3, "lm loss": float("nan")}]
+    gv = golden_values(hist, metrics=("lm loss", "absent"))
+    assert gv == {"lm loss": {"start_step": 1, "end_step": 3, "step_interval": 1,
+                              "values": {"1": 1.23457, "2": "nan", "3": "nan"}}}
+
+
+def test_resume_is_exact(tmp_path):
+    A, B = tmp_path / "A", tmp_path / "B"
+    _run(["--recipe", "debug", "--steps", "12", "--save-interval", "4", "--out", str(A), "--json"])
+    assert sorted(d for d in os.listdir(A / "checkpoints") if d.startswith("step")) == \
+        ["step_000004", "step_000008", "step_000012"]
+    _run(["--recipe", "debug", "--steps", "12", "--save-interval", "4", "--out", str(B),
+          "--resume", str(A / "checkpoints" / "step_000004"), "--json"])
+    ha, hb = _hist(A), _hist(B)
+    assert [h["step"] for h in hb] == list(range(5, 13))
+    for k in EXACT:
+        assert [h[k] for h in ha[4:]] == [h[k] for h in hb], k
+    ga, gb = json.load(open(A / "golden_values.json")), json.load(open(B / "golden_values.json"))
+    assert ga["lm loss"] == gb["lm loss"] and ga["num-zeros"] == gb["num-zeros"]   # full 1..12 curve
+    ma, _, _, meta_a = ck.load_checkpoint(str(A))
+    mb, ob, _, meta_b = ck.load_checkpoint(str(B))
+    assert meta_a["step"] == meta_b["step"] == 12 and meta_b["consumed_samples"] == 24
+    for k in ma:                                                       # final weights and buffers bit-equal
+        assert torch.equal(ma[k], mb[k]), k
+    assert ob["muon"]["state"] and ob["adamw"]["state"]                 # FP32 optimiser state stored
+    assert all(v["exp_avg"].dtype == torch.float32 for v in ob["adamw"]["state"].values())
+
+
+CHILD = r"""
+import sys, torch
+from dsv4.harness import checkpoint as ck
+d = sys.argv[1]
+m = torch.nn.Linear(2048, 2048)                          # 16 MB of weights per checkpoint
+for step in range(1, 1000):
+    with torch.no_grad():
+        m.weight.fill_(step); m.bias.fill_(step)
+    ck.save_checkpoint(d, step, m, {"state": {0: {"buf": torch.full((512, 512), float(step))}}},
+                       {"history": [step]})
+    print("saved", step, flush=True)
+"""
+
+CHILD_MIDWRITE = r"""
+import sys, time, torch
+from dsv4.harness import checkpoint as ck
+d = sys.argv[1]
+real_save = ck.save_file
+def save_then_stall(tensors, path):                      # step 2: one file written, then stall inside the writer
+    real_save(tensors, path)
+    if "step_000002" in path:
+        print("midwrite", flush=True)
+        time.sleep(120)
+ck.save_file = save_then_stall
+m = torch.nn.Linear(64, 64)
+for step in (1, 2):
+    with torch.no_grad():
+        m.weight.fill_(step)
+    ck.save_checkpoint(d, step, m, {"state": {0: {"buf": torch.full((4,), float(step))}}}, {"history": [step]})
+    print("saved", step, flush=True)
+"""
+
+
+def test_sigkill_inside_the_writer(tmp_path):
+    d = tmp_path / "ckpt"
+    p = subprocess.Popen([sys.executable, "-c", CHILD_MIDWRITE, str(d)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().split() == ["saved", "1"]
+        assert p.stdout.readline().strip() == "midwrite"
+        tmp = [n for n in os.listdir(d) if n.startswith(".tmp-step_000002")]
+        assert len(tmp) == 1 and os.listdir(d / tmp[0]) == ["model.safetensors"]   # half-written checkpoint
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == -signal.SIGKILL
+    assert open(d / "latest").read() == "step_000001"
+    m, o, _, meta = ck.load_checkpoint(str(d))
+    assert meta["step"] == 1 and torch.equal(m["weight"], torch.ones(64, 64))
+    assert torch.equal(o["state"][0]["buf"], torch.ones(4))
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.23, 0.61])
+def test_sigkill_mid_write_leaves_previous_checkpoint_loadable(tmp_path, delay):
+    d = tmp_path / "ckpt"
+    p = subprocess.Popen([sys.executable, "-c", CHILD, str(d)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().split() == ["saved", "1"]
+        time.sleep(delay)                                              # now it is writing step 2, 3, ...
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == -signal.SIGKILL
+    m, o, _, meta = ck.load_checkpoint(str(d))                        # the newest COMPLETE checkpoint
+    step = meta["step"]
+    assert step >= 1 and meta["history"] == [step]
+    assert torch.equal(m["weight"], torch.full((2048, 2048), float(step)))
+    assert torch.equal(o["state"][0]["buf"], torch.full((512, 512), float(step)))
+    # a next save cleans the killed writer's temp directory
+    ck.save_checkpoint(str(d), step + 1, torch.nn.Linear(2, 2), {}, {"history": []})
+    assert not [n for n in os.listdir(d) if n.startswith(".tmp-")]
+
+
+def test_bad_input_exit_2(tmp_path):
+    for args in (["--recipe", "debug", "--steps", "0"],
+                 ["--recipe", "debug", "--steps", "3", "--resume", str(tmp_path / "none")],
+                 ["--recipe", "nope"]):
+        r = CliRunner().invoke(train_cmd, args + ["--out", str(tmp_path / "o")])
+        assert r.exit_code == 2, (args, r.output)
