@@ -1,0 +1,229 @@
+"""D2: lightning indexer (scores, deterministic top-k), indexer KL loss (joint / renormalized teacher, dense /
+sparse), gradient isolation, learning, and config refusals of the DSv4 attention module.
+
+Oracles: loops written here, and the fp64 per-query layer oracle `slices/D1/oracle.py` (which records the joint
+softmax probabilities and raw logits of the compressed entries each query attended).
+"""
+import math
+
+import pytest
+import torch
+
+from dsv4.kernels.indexer import indexer_scores, indexer_topk
+from dsv4.model.attention import DSv4Attention
+from dsv4.model.config import ConfigError, get_config
+from dsv4.slices.D1.oracle import oracle_layer
+
+CSA = 1                                            # the CSA layer of the debug config
+
+
+def make_csa(seed=0, **over):
+    cfg = get_config("debug", **over)
+    torch.manual_seed(seed)
+    attn = DSv4Attention(cfg, CSA)
+    with torch.no_grad():
+        for n, p in attn.named_parameters():
+            if p.dim() == 1 or n.endswith("ape"):
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in n else 0.0))
+            else:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+    return cfg, attn
+
+
+# ------------------------------------------------------------------------------------------- scores / top-k
+
+def test_indexer_scores_vs_loop():
+    g = torch.Generator().manual_seed(0)
+    S, B, nI, cI, m = 19, 2, 3, 5, 4
+    T = S // m
+    q, k, w = torch.randn(S, B, nI, cI, generator=g), torch.randn(T, B, cI, generator=g), torch.randn(S, B, nI, generator=g)
+    got = indexer_scores(q, k, w, m)
+    assert got.dtype == torch.float32 and got.shape == (S, B, T)
+    for t in range(S):
+        for b in range(B):
+            for j in range(T):
+                if j >= (t + 1) // m:
+                    assert got[t, b, j].item() == float("-inf")
+                    continue
+                ref = sum(float(w[t, b, h]) / math.sqrt(nI) * max(float(q[t, b, h].double() @ k[j, b].double()), 0.0)
+                          / math.sqrt(cI) for h in range(nI))
+                assert abs(got[t, b, j].item() - ref) <= 1e-5, (t, b, j)
+
+
+def test_topk_tie_break_lower_index_first_independent_of_T():
+    ninf = float("-inf")
+    row = [0.0, 0.5, 0.0, 0.0, 0.5, 0.0, 0.25]                          # exact ties at 0.0 and 0.5
+    I = torch.tensor([[row]])                                             # [S=1, B=1, T=7]
+    assert indexer_topk(I, 4)[0, 0].tolist() == [1, 4, 6, 0]
+    assert indexer_topk(I, 7)[0, 0].tolist() == [1, 4, 6, 0, 2, 3, 5]
+    for extra in (1, 5, 13, 100):                                         # longer tensors: more ties / future entries
+        for pad in (0.0, ninf):
+            J = torch.tensor([[row + [pad] * extra]])
+            assert indexer_topk(J, 4)[0, 0].tolist() == [1, 4, 6, 0], (extra, pad)
+    K = torch.tensor([[[0.0, ninf, ninf]]])                              # non-causal picks -> -1
+    assert indexer_topk(K, 3)[0, 0].tolist() == [0, -1, -1]
+    assert indexer_topk(K, 10).shape == (1, 1, 3)                         # min(k, T)
+
+
+def test_module_selection_with_all_scores_tied_is_lowest_indices_for_any_S():
+    """weights_proj = 0 makes every causal score exactly 0: the selection must be the lowest entries, the same
+    rows for S = 37 and S = 45 (torch.topk would not guarantee this)."""
+    cfg, attn = make_csa(seed=1)
+    attn.eval()
+    with torch.no_grad():
+        attn.indexer.weights_proj.weight.zero_()
+    h = torch.randn(1, 45, cfg.hidden_size)
+    with torch.no_grad():
+        attn(h[:, :37])
+        s37 = attn.last_topk.clone()
+        attn(h)
+        s45 = attn.last_topk
+    assert torch.equal(s37, s45[:, :37])
+    for t in range(37):
+        n = (t + 1) // 4
+        assert s37[0, t].tolist() == [j if j < n else -1 for j in range(4)]
+
+
+# ------------------------------------------------------------------------------------------- loss vs oracle
+
+def oracle_loss(ref, teacher, coeff):
+    """KL(P || softmax over candidates of I), mean over queries with candidates, times coeff (fp64)."""
+    kls = []
+    for b in range(len(ref["attended"])):
+        for t, ents in enumerate(ref["attended"][b]):
+            if not ents:
+                continue
+            if teacher == "joint":
+                P = torch.stack([ref["probs"][b][t][j].sum() for j in ents])
+            else:
+                L = torch.stack([ref["clogits"][b][t][j] for j in ents])      # [n, H]
+                P = torch.softmax(L, dim=0).sum(1)
+            P = P / P.sum()
+            Q = torch.softmax(torch.stack([ref["scores"][b, t, j] for j in ents]), dim=0)
+            kls.append((P * (P.log() - Q.log())).sum())
+    return coeff * torch.stack(kls).mean().item()
+
+
+@pytest.mark.parametrize("teacher", ["joint", "renormalized"])
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_indexer_loss_matches_oracle(teacher, mode):
+    cfg, attn = make_csa(seed=3, indexer_teacher=teacher, indexer_loss_mode=mode, indexer_loss_coeff=0.5)
+    attn.train()
+    S = 37                                                                 # T = 9 > k = 4: a real selection
+    h = torch.randn(2, S, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    y = attn(h)
+    ref = oracle_layer(cfg, CSA, attn.state_dict(), h, dense=(mode == "dense"))
+    assert (y.detach().double() - ref["out"]).abs().max().item() <= 2e-5   # dense mode attends all entries
+    want = oracle_loss(ref, teacher, 0.5)
+    got = attn.indexer_loss.item()
+    assert abs(got - want) <= 1e-4 * abs(want) + 1e-7, f"{teacher}/{mode}: {got} vs oracle {want}"
+
+
+def test_joint_and_renormalized_teachers_differ_and_dense_equals_sparse_when_k_covers_all():
+    losses = {}
+    for teacher in ("joint", "renormalized"):
+        for mode, k in (("sparse", 4), ("dense", 4), ("sparse", 64)):
+            cfg, attn = make_csa(seed=3, indexer_teacher=teacher, indexer_loss_mode=mode, index_topk=k)
+            attn.train()
+            h = torch.randn(2, 37, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+            y = attn(h)
+            losses[teacher, mode, k] = (attn.indexer_loss.item(), y.detach())
+    for t in ("joint", "renormalized"):
+        assert losses[t, "sparse", 4][0] != pytest.approx(losses[t, "dense", 4][0], rel=1e-3)
+        assert losses[t, "sparse", 64][0] == pytest.approx(losses[t, "dense", 4][0], rel=1e-6)   # k >= T: same set
+        assert torch.allclose(losses[t, "sparse", 64][1], losses[t, "dense", 4][1], atol=1e-6)
+    assert losses["joint", "sparse", 4][0] != pytest.approx(losses["renormalized", "sparse", 4][0], rel=1e-3)
+
+
+def test_loss_none_in_eval_off_and_other_layers_and_scales_with_coeff():
+    h = torch.randn(1, 21, 64)
+    cfg, attn = make_csa(seed=0)
+    attn.eval(); attn(h)
+    assert attn.indexer_loss is None and attn.last_topk.shape == (1, 21, 4)
+    cfg, attn = make_csa(seed=0, indexer_loss_mode="off")
+    attn.train(); attn(h)
+    assert attn.indexer_loss is None
+    for layer in (0, 2):
+        a = DSv4Attention(get_config("debug"), layer).train()
+        a(h)
+        assert a.indexer_loss is None and a.last_topk is None
+    vals = []
+    for coeff in (1e-2, 3e-2):
+        cfg, attn = make_csa(seed=0, indexer_loss_coeff=coeff)
+        attn.train(); attn(h)
+        vals.append(attn.indexer_loss.item())
+    assert vals[1] == pytest.approx(3 * vals[0], rel=1e-6) and vals[0] > 0
+
+
+# ------------------------------------------------------------------------------------------- gradients
+
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_indexer_grads_come_only_from_indexer_loss(mode):
+    cfg, attn = make_csa(seed=5, indexer_loss_mode=mode, indexer_loss_coeff=1.0)
+    attn.train()
+    h = torch.randn(2, 37, cfg.hidden_size, requires_grad=True)
+    y = attn(h)
+    main = y.square().mean()                                               # an LM-like loss
+    names, params = zip(*attn.named_parameters())
+    g_both = torch.autograd.grad(main + attn.indexer_loss, params, retain_graph=True, allow_unused=True)
+    g_main = torch.autograd.grad(main, params, retain_graph=True, allow_unused=True)
+    g_idx = torch.autograd.grad(attn.indexer_loss, params + (h,), allow_unused=True)
+    assert g_idx[-1] is None                                               # nothing reaches the layer input
+    n_idx = 0
+    for n, gb, gm, gi in zip(names, g_both, g_main, g_idx):
+        if n.startswith("indexer."):
+            n_idx += 1
+            assert gm is None, f"LM loss reached {n}"
+            assert gi is not None and gi.abs().sum() > 0, f"indexer loss does not train {n}"
+            assert torch.equal(gb, gi), n
+        else:
+            assert gi is None, f"indexer loss reached main parameter {n}"
+            assert torch.equal(gb, gm), n
+    assert n_idx == 6
+
+
+def test_indexer_learns_with_adam():
+    """Adam on the indexer parameters only: the indexer loss falls within 30 steps (fixed batch)."""
+    cfg, attn = make_csa(seed=6, indexer_loss_coeff=1.0, indexer_loss_mode="sparse")
+    attn.train()
+    h = torch.randn(1, 29, cfg.hidden_size, generator=torch.Generator().manual_seed(6))
+    opt = torch.optim.Adam([p for n, p in attn.named_parameters() if n.startswith("indexer.")], lr=3e-2)
+    main_before = {n: p.detach().clone() for n, p in attn.named_parameters() if not n.startswith("indexer.")}
+    hist = []
+    for _ in range(30):
+        attn(h)
+        opt.zero_grad()
+        attn.indexer_loss.backward()
+        opt.step()
+        hist.append(attn.indexer_loss.item())
+    assert hist[-1] < 0.5 * hist[0], f"indexer loss {hist[0]:.4f} -> {hist[-1]:.4f}"
+    assert all(torch.equal(p, main_before[n]) for n, p in attn.named_parameters() if n in main_before)
+
+
+# ------------------------------------------------------------------------------------------- config refusals
+
+@pytest.mark.parametrize("over,field", [
+    (dict(head_dim=4), "head_dim"),                       # head dim < rope dims (8)
+    (dict(qk_rope_head_dim=7), "qk_rope_head_dim"),       # odd rope dims
+    (dict(o_groups=3), "o_groups"),                       # 4 heads not divisible by 3
+    (dict(index_topk=0), "index_topk"),
+    (dict(csa_ratio=0, compress_ratios=[0, 0, 16, 0]), "csa_ratio"),
+    (dict(hca_ratio=-16), "hca_ratio"),
+    (dict(index_head_dim=4), "index_head_dim"),
+    (dict(indexer_loss_mode="warmup"), "indexer_loss_mode"),
+    (dict(indexer_teacher="lse"), "indexer_teacher"),
+])
+def test_bad_config_refused_with_field_name(over, field):
+    with pytest.raises(ConfigError, match=rf"^DSv4Config\.{field}:") as e:
+        get_config("debug", **over)
+    assert "\n" not in str(e.value)
+    cfg = get_config("debug")                              # mutated after validation: refused at construction
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    with pytest.raises(ConfigError, match=rf"^DSv4Config\.{field}:"):
+        DSv4Attention(cfg, 1)
+
+
+def test_bad_layer_index_refused():
+    with pytest.raises(ConfigError, match="compress_ratios"):
+        DSv4Attention(get_config("debug"), 7)
