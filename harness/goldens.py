@@ -36,9 +36,14 @@ class GoldenError(ValueError):
 
 # ------------------------------------------------------------------------------------------- provenance
 def git_sha() -> tuple[str, bool]:
+    """(sha, dirty). DSV4_GIT_SHA overrides it where the checkout has no history (the GPU machine's copy)."""
+    if os.environ.get("DSV4_GIT_SHA"):
+        return os.environ["DSV4_GIT_SHA"], os.environ.get("DSV4_GIT_DIRTY", "0") == "1"
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             timeout=10).stdout.strip() or "unknown"
+                             timeout=10).stdout.strip()
+        if len(sha) != 40:
+            return "unknown", False
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                                     capture_output=True, text=True, timeout=10).stdout.strip())
         return sha, dirty
