@@ -56,7 +56,8 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None):
         """x [T, d] -> (weights [T, K] fp32, idx [T, K] int64, scores [T, E] fp32)."""
-        scores = torch.sqrt(F.softplus(F.linear(x.float(), self.weight.float())))     # [T, E]
+        dt = torch.promote_types(x.dtype, torch.float32)                              # fp32 (fp64 stays fp64)
+        scores = torch.sqrt(F.softplus(F.linear(x.to(dt), self.weight.to(dt))))      # [T, E]
         if self.hash:
             if input_ids is None:
                 raise ValueError("Gate: hash-routed layer needs input_ids")
@@ -95,7 +96,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [T, d], w [T, K], idx [T, K] -> [T, d] = sum_k w_k Expert_{idx_k}(x) (accumulated in fp32)."""
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
         order = torch.argsort(idx.reshape(-1), stable=True)                    # token-slots grouped by expert
         counts = torch.bincount(idx.reshape(-1), minlength=self.w13.shape[0]).tolist()
         tok = order // idx.shape[1]                                            # [T*K] token of each slot
@@ -108,7 +109,7 @@ class Experts(nn.Module):
             gate, up = F.linear(x[t], self.w13[e]).chunk(2, dim=-1)            # [c, f] each
             h = clamped_swiglu(gate, up, self.limit, backend=self.backend)
             y = F.linear(h, self.w2[e])                                        # [c, d]
-            out.index_add_(0, t, y.float() * wk[start:start + c, None].float())
+            out.index_add_(0, t, y.to(out.dtype) * wk[start:start + c, None].to(out.dtype))
             start += c
         return out.to(x.dtype)
 
