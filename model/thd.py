@@ -121,7 +121,8 @@ def compress_pool_thd(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, r
         ends = entry_ends(seg, pos, m)
     j = (pos[ends] + 1) // m - 1                                                # [N] entry index in its doc
     need_rows = torch.where(j > 0, coff * m, m) if overlap else torch.full_like(j, m)
-    if ends.numel() and bool((ends - need_rows + 1 < 0).any()):
+    first = ends - need_rows + 1                                                # first row the entry pools
+    if ends.numel() and bool((first < 0).any() or (seg[first.clamp(min=0)] != seg[ends]).any()):
         raise THDError(f"kv: a compression window starts before the stream (halo shorter than {coff * m - 1})")
     cur = ends[:, None] - (m - 1) + torch.arange(m)                             # [N, m] token idx, window j
     zc = _acc(gate[cur]) + _acc(ape[None])                                   # [N, m, coff*D]

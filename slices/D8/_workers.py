@@ -1,0 +1,132 @@
+"""Multi-process workers for the CP / EP tests (D7, D8, P9, P10): spawned with torch.multiprocessing over gloo.
+
+They live in the package (not in a test file) so that spawned children can import them. Each worker writes its
+per-rank results to `<outdir>/rank<r>.pt`; the test process compares them with its own single-rank oracle.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, world_size: int, *args) -> list[dict]:
+    """Run fn(rank, world_size, port, outdir, *args) on world_size gloo processes; per-rank result dicts."""
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.spawn(fn, args=(world_size, free_port(), outdir, *args), nprocs=world_size, join=True)
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world_size)]
+
+
+def _init(rank, ws, port, megatron: str | None = None):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws)
+    if megatron is None:
+        return dist.group.WORLD
+    import warnings
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state as ps
+    if megatron == "cp":
+        ps.initialize_model_parallel(context_parallel_size=ws)
+        return ps.get_context_parallel_group()
+    ps.initialize_model_parallel(expert_model_parallel_size=ws)
+    return ps.get_expert_model_parallel_group()
+
+
+def _finish(outdir, rank, res, megatron=None):
+    torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
+    if megatron is not None:
+        from megatron.core import parallel_state as ps
+        ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def randomize(mod, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.5) + (1.0 if p.dim() == 1 else 0))
+
+
+def stream_inputs(T, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, T, d, generator=g), torch.randn(1, T, d, generator=g)
+
+
+# ---------------------------------------------------------------------------------------------- D7 primitives
+
+def primitives_worker(rank, ws, port, outdir, C, halo, counts):
+    """left_halo and gather_entries with gradients (plain torch.distributed WORLD group)."""
+    from dsv4.model.context_parallel import gather_entries, left_halo
+    group = _init(rank, ws, port)
+    x_full = torch.arange(ws * C * 2, dtype=torch.float64).view(ws * C, 2)
+    x = x_full[rank * C:(rank + 1) * C].clone().requires_grad_()
+    hal = left_halo(x, halo, group)
+    w = torch.arange(1, halo * 2 + 1, dtype=torch.float64).view(halo, 2) * (rank + 1)
+    (hal * w).sum().backward()
+    n = counts[rank]
+    comp = (torch.arange(n * 3, dtype=torch.float64).view(n, 3) + 100 * rank).requires_grad_()
+    cs, ss, js = gather_entries(comp, torch.full((n,), rank), torch.arange(n), group)
+    (cs * (torch.arange(cs.shape[0], dtype=torch.float64)[:, None] + 1) * (rank + 1)).sum().backward()
+    _finish(outdir, rank, {"halo": hal.detach(), "x_grad": x.grad, "comp": cs.detach(), "seg": ss, "j": js,
+                           "comp_grad": comp.grad})
+
+
+# ---------------------------------------------------------------------------------------------- D8 attention
+
+def cp_attention_worker(rank, ws, port, outdir, cases, megatron="cp"):
+    """For each case (layer, cu, cup, T): CP attention on this rank's chunk, forward + backward.
+    megatron="cp": the group is Megatron-Core's parallel_state CP group; None: the default (WORLD) group."""
+    from dsv4.model.attention import DSv4Attention
+    from dsv4.model.config import get_config
+    from dsv4.model.context_parallel import contiguous_chunk, cp_attention_forward
+    group = _init(rank, ws, port, megatron)
+    cfg = get_config("debug")
+    res = []
+    for layer, cu, cup, T in cases:
+        torch.manual_seed(0)
+        attn = DSv4Attention(cfg, layer).eval()
+        randomize(attn)
+        h, r = stream_inputs(T, cfg.hidden_size)
+        s, e = contiguous_chunk(T, ws, rank)
+        h_loc = h[:, s:e].clone().requires_grad_()
+        out = cp_attention_forward(attn, h_loc, cu, T, cup, group=group)
+        (out * r[:, s:e]).sum().backward()
+        grads = {}
+        for n, p in attn.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(g, group=group)                                    # data-parallel style sum
+            grads[n] = g
+        sel = None
+        if attn.last_topk is not None:
+            iseg, ij = attn.last_entries
+            sel = [[(int(iseg[i]), int(ij[i])) for i in row.tolist() if i >= 0] for row in attn.last_topk]
+        res.append({"out": out.detach()[0], "h_grad": h_loc.grad[0], "grads": grads, "sel": sel})
+    _finish(outdir, rank, res, megatron)
+
+
+# ---------------------------------------------------------------------------------------------- P9 MTP roll
+
+def cp_roll_worker(rank, ws, port, outdir, cu, cup, T):
+    from dsv4.model.context_parallel import contiguous_chunk, rank_layout
+    from dsv4.model.mtp_roll import roll_packed_cp
+    group = _init(rank, ws, port)
+    s, e = contiguous_chunk(T, ws, rank)
+    seg, _ = rank_layout(cu, T, ws, rank, 0, cup)
+    ids = (torch.arange(T) * 7 + 3) % 97
+    x_full = torch.randn(T, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = x_full[s:e].clone().requires_grad_()
+    w = torch.randn(T, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)[s:e]
+    ids_next, valid = roll_packed_cp(ids[s:e], seg, group, fill=0)
+    x_next, _ = roll_packed_cp(x, seg, group, fill=0.0)
+    (x_next * w).sum().backward()
+    _finish(outdir, rank, {"ids_next": ids_next, "valid": valid, "x_next": x_next.detach(), "x_grad": x.grad})
