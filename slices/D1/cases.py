@@ -1,0 +1,57 @@
+"""D1 golden cases: one DSv4 attention layer of each kind (debug config, seeded weights), compressor pooling."""
+import torch
+
+from dsv4.harness.cases import golden_case
+
+TOL = (1e-5, 1e-4)
+
+
+def _layer(layer_idx, **over):
+    from dsv4.model.attention import DSv4Attention
+    from dsv4.model.config import get_config
+    cfg = get_config("debug", **over)
+    torch.manual_seed(0)
+    attn = DSv4Attention(cfg, layer_idx)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():           # O(1) outputs; non-zero sink / ape, non-unit norm weights
+        for n, p in attn.named_parameters():
+            if p.dim() == 1 or n.endswith("ape"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if "norm" in n else 0.0))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5)
+    h = torch.randn(1, 37, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    return attn.eval(), h
+
+
+@golden_case("attention_window_debug", tol={"out": TOL})
+def attention_window_debug():
+    """Window layer (layer 0), S = 37: output [1, 37, 64]."""
+    attn, h = _layer(0)
+    with torch.no_grad():
+        return {"out": attn(h)}
+
+
+@golden_case("attention_csa_debug", tol={"out": TOL})
+def attention_csa_debug():
+    """CSA layer (layer 1, m = 4, top-4 of 9 entries), S = 37: output and the selected entries (exact)."""
+    attn, h = _layer(1)
+    with torch.no_grad():
+        out = attn(h)
+    return {"out": out, "selected": attn.last_topk}
+
+
+@golden_case("attention_hca_debug", tol={"out": TOL})
+def attention_hca_debug():
+    """HCA layer (layer 2, m' = 16, 2 entries), S = 37: output [1, 37, 64]."""
+    attn, h = _layer(2)
+    with torch.no_grad():
+        return {"out": attn(h)}
+
+
+@golden_case("compress_pool_debug", tol={"csa": (1e-6, 1e-5), "hca": (1e-6, 1e-5)})
+def compress_pool_debug():
+    """compress_pool on seeded [13, 2, .] inputs: CSA overlap (m = 4, D = 6) and HCA (m = 4, D = 6)."""
+    from dsv4.kernels.compressor import compress_pool
+    g = torch.Generator().manual_seed(3)
+    kv, gate, ape = torch.randn(13, 2, 12, generator=g), torch.randn(13, 2, 12, generator=g), torch.randn(4, 12, generator=g)
+    return {"csa": compress_pool(kv, gate, ape, 4, True), "hca": compress_pool(kv[..., :6], gate[..., :6], ape[:, :6], 4, False)}

@@ -1,0 +1,46 @@
+"""D2 golden cases: indexer scores / selection and the indexer KL loss (both teachers, both modes)."""
+import torch
+
+from dsv4.harness.cases import golden_case
+
+
+def _csa(**over):
+    from dsv4.model.attention import DSv4Attention
+    from dsv4.model.config import get_config
+    cfg = get_config("debug", **over)
+    torch.manual_seed(0)
+    attn = DSv4Attention(cfg, 1)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in attn.named_parameters():
+            if p.dim() == 1 or n.endswith("ape"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if "norm" in n else 0.0))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5)
+    h = torch.randn(2, 37, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    return attn, h
+
+
+@golden_case("indexer_scores_topk_debug", tol={"scores": (1e-5, 1e-4)})
+def indexer_scores_topk_debug():
+    """CSA layer of the debug config, S = 37, B = 2: indexer scores [37, 2, 9] (-inf = future) and top-4."""
+    attn, h = _csa()
+    x = h.transpose(0, 1)
+    with torch.no_grad():
+        cq = attn.q_norm(attn.wq_a(x))
+        scores, idx = attn.indexer(x, cq, torch.arange(37))
+    return {"scores": scores.masked_fill(torch.isinf(scores), -1e30), "selected": idx}
+
+
+@golden_case("indexer_loss_debug", tol={f"{t}_{m}": (1e-7, 1e-5) for t in ("joint", "renormalized")
+                                        for m in ("sparse", "dense")})
+def indexer_loss_debug():
+    """coeff * KL(teacher || softmax(I)) for teacher joint / renormalized and mode sparse / dense (coeff 1e-2)."""
+    out = {}
+    for teacher in ("joint", "renormalized"):
+        for mode in ("sparse", "dense"):
+            attn, h = _csa(indexer_teacher=teacher, indexer_loss_mode=mode)
+            attn.train()
+            attn(h)
+            out[f"{teacher}_{mode}"] = float(attn.indexer_loss.detach())
+    return out
