@@ -75,10 +75,8 @@ class Gate(nn.Module):
     @torch.no_grad()
     def update_expert_bias(self) -> None:
         """b_e += gamma * sign(mean_load - load_e) from the counts since the last call; resets the counts."""
-        if self.hash:
-            return
         load = self.tokens_per_expert.float()
-        if load.sum() > 0:
+        if not self.hash and load.sum() > 0:
             self.bias += self.cfg.expert_bias_update_rate * torch.sign(load.mean() - load)
         self.tokens_per_expert.zero_()
 
