@@ -36,10 +36,9 @@ _FWD_CONFIGS = configs(
          dict(BH=64, BN=32, num_warps=4, num_stages=2), dict(BH=32, BN=64, num_warps=4, num_stages=2),
          dict(BH=64, BN=64, num_warps=8, num_stages=1)],
     cpu=dict(BH=16, BN=16, num_warps=4, num_stages=1))
-_BWD_CONFIGS = configs(
-    gpu=[dict(BH=64, BN=16, num_warps=8, num_stages=1), dict(BH=64, BN=32, num_warps=8, num_stages=1),
-         dict(BH=32, BN=32, num_warps=8, num_stages=1), dict(BH=32, BN=64, num_warps=8, num_stages=1),
-         dict(BH=64, BN=16, num_warps=8, num_stages=2)],
+_BWD_CONFIGS = configs(   # BH=64 needs q and dO twice in shared memory (> 228 KB on sm_90): BH <= 32 there
+    gpu=[dict(BH=32, BN=32, num_warps=8, num_stages=1), dict(BH=32, BN=16, num_warps=4, num_stages=1),
+         dict(BH=32, BN=16, num_warps=8, num_stages=2)],
     cpu=dict(BH=16, BN=16, num_warps=4, num_stages=1))
 
 
@@ -60,8 +59,8 @@ def _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale):
 @triton.jit
 def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE,
                      sq_s, sq_b, sq_h, skv_s, skv_b, sc_s, sc_b, si_s, si_b, so_s, so_b, so_h, sl_s, sl_b,
-                     H, C, NSEL, window, ratio, qk_scale,
-                     MODE: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
+                     H, NSEL, window, ratio, qk_scale,
+                     C: tl.constexpr, MODE: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
@@ -119,8 +118,8 @@ def _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale):
 @triton.jit
 def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA,
                      sq_s, sq_b, sq_h, skv_s, skv_b, sc_s, sc_b, si_s, si_b, so_s, so_b, so_h, sl_s, sl_b,
-                     H, C, NSEL, window, ratio, qk_scale, scale,
-                     MODE: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
+                     H, NSEL, window, ratio, qk_scale, scale,
+                     C: tl.constexpr, MODE: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
     # Q/DQ/O/DO share strides (sq_*, so_*: q and dq; o and do), KV/DKV share skv_*, COMP/DCOMP share sc_*
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
@@ -199,7 +198,7 @@ class _SparseAttn(torch.autograd.Function):
             q, kv, comp_t, idx_t, sink.contiguous(), o, lse,
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), comp_t.stride(0), comp_t.stride(1),
             idx_t.stride(0), idx_t.stride(1), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-            H, C, nsel, int(window), max(int(ratio or 1), 1), float(scale) * LOG2E, MODE=mode, BD=pow2(C))
+            H, nsel, int(window), max(int(ratio or 1), 1), float(scale) * LOG2E, C=C, MODE=mode, BD=pow2(C))
         ctx.save_for_backward(q, kv, comp_t, idx_t, sink, o, lse)
         ctx.cfg = (mode, nsel, int(window), max(int(ratio or 1), 1), float(scale), mode != MODE_NONE)
         ctx.comp_none = comp is None
@@ -220,7 +219,7 @@ class _SparseAttn(torch.autograd.Function):
             q, kv, comp_t, idx_t, o, do, lse, dq, dkv, dcomp, delta,
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), comp_t.stride(0), comp_t.stride(1),
             idx_t.stride(0), idx_t.stride(1), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-            H, C, nsel, window, ratio, scale * LOG2E, scale, MODE=mode, BD=pow2(C))
+            H, nsel, window, ratio, scale * LOG2E, scale, C=C, MODE=mode, BD=pow2(C))
         # d sink_h = -Σ_{t,b} p_sink(t,b,h) · delta(t,b,h),  p_sink = exp(z_h - lse)   (lse in log2 units)
         p_sink = torch.exp2(sink.float() * LOG2E - lse)
         dsink = -(p_sink * delta).sum((0, 1)).to(sink.dtype)
