@@ -275,7 +275,12 @@ def regen(reg: Registry, sl: Slice, platform: str, cases_filter: list[str] | Non
         if platform not in c.platforms:
             continue
         log(f"running case {sl.id}/{n} on {platform} ...")
-        out = c.run(device)
+        try:
+            out = c.run(device)
+        except CaseError:
+            raise
+        except Exception as e:  # noqa: BLE001 - nothing is written; say which case broke, in one line
+            raise CaseError(f"golden case {sl.id}/{n}: raised {type(e).__name__}: {e}") from None
         for k, v in out.items():
             is_float = (isinstance(v, torch.Tensor) and v.dtype.is_floating_point) or isinstance(v, float)
             if is_float and k not in c.tol:
