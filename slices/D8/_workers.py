@@ -14,6 +14,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+# fork: children inherit the imported modules (spawn re-imports torch + the model, ~4 s per process on 2 busy
+# cores); children set one intra-op thread, so the parent's OpenMP pool is never used after the fork.
+START_METHOD = os.environ.get("DSV4_MP_START", "fork")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -23,7 +28,8 @@ def free_port() -> int:
 def spawn(fn, world_size: int, *args) -> list[dict]:
     """Run fn(rank, world_size, port, outdir, *args) on world_size gloo processes; per-rank result dicts."""
     with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(fn, args=(world_size, free_port(), outdir, *args), nprocs=world_size, join=True)
+        mp.start_processes(fn, args=(world_size, free_port(), outdir, *args), nprocs=world_size, join=True,
+                           start_method=START_METHOD)
         return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world_size)]
 
 

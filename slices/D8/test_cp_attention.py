@@ -66,10 +66,13 @@ def _oracle(layer, cu, cup, T):
 
 
 # cp=2 takes its group from Megatron-Core's parallel_state (initialize_model_parallel(context_parallel_size=2)
-# over gloo); cp=4 uses the plain WORLD group (importing megatron.core costs ~6-10 s per process on 2 cores).
+# over gloo); cp=4 uses the plain WORLD group (both kinds of group are exercised;
+# megatron.core is imported once in this process and inherited by the forked ranks).
 @pytest.fixture(scope="module", params=[(2, "cp"), (4, None)], ids=["cp2-megatron", "cp4-world"])
 def cp_run(request):
     cp, megatron = request.param
+    if megatron:
+        from megatron.core import parallel_state  # noqa: F401  imported once here; forked ranks inherit it
     cases = []
     for layer, name in CASES:
         cu, cup, T = _cu(*LAYOUTS[name])
