@@ -2,7 +2,7 @@
 
     y = silu(min(gate, L)) * clamp(up, -L, L)           (limit None: plain SwiGLU)
 
-Math in fp32, outputs in the input dtype. Gradients follow `naive.clamped_swiglu` (torch.clamp semantics):
+Math in fp32 (fp64 for fp64 inputs), outputs in the input dtype. Gradients follow `naive.clamped_swiglu` (torch.clamp semantics):
 zero for gate where gate > L, zero for up where |up| > L, passed through at the boundary itself.
 Memory-bound: fwd reads gate+up and writes y; bwd reads gate, up, dy and writes dgate, dup (no saved y).
 """
@@ -18,11 +18,11 @@ _BLOCK = 256 if interpreting() else 2048
 
 
 @triton.jit
-def _swiglu_fwd(G, U, Y, N, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_fwd(G, U, Y, N, limit, CLAMP: tl.constexpr, CT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
-    g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(U + offs, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(G + offs, mask=m, other=0.0).to(CT)
+    u = tl.load(U + offs, mask=m, other=0.0).to(CT)
     if CLAMP:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -31,12 +31,12 @@ def _swiglu_fwd(G, U, Y, N, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_bwd(G, U, DY, DG, DU, N, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_bwd(G, U, DY, DG, DU, N, limit, CLAMP: tl.constexpr, CT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
-    g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(U + offs, mask=m, other=0.0).to(tl.float32)
-    dy = tl.load(DY + offs, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(G + offs, mask=m, other=0.0).to(CT)
+    u = tl.load(U + offs, mask=m, other=0.0).to(CT)
+    dy = tl.load(DY + offs, mask=m, other=0.0).to(CT)
     if CLAMP:
         g_pass = g <= limit
         u_pass = (u >= -limit) & (u <= limit)
@@ -53,6 +53,11 @@ def _swiglu_bwd(G, U, DY, DG, DU, N, limit, CLAMP: tl.constexpr, BLOCK: tl.const
     tl.store(DU + offs, du.to(DU.dtype.element_ty), mask=m)
 
 
+def _ct(x):
+    """Compute dtype: fp32, or fp64 for fp64 inputs (gradcheck)."""
+    return tl.float64 if x.dtype == torch.float64 else tl.float32
+
+
 class _ClampedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, limit):
@@ -61,7 +66,7 @@ class _ClampedSwiGLU(torch.autograd.Function):
         n = gate.numel()
         clamp = limit is not None
         lim = float(limit) if clamp else 0.0
-        _swiglu_fwd[(triton.cdiv(n, _BLOCK),)](gate, up, y, n, lim, CLAMP=clamp, BLOCK=_BLOCK, num_warps=8)
+        _swiglu_fwd[(triton.cdiv(n, _BLOCK),)](gate, up, y, n, lim, CLAMP=clamp, CT=_ct(gate), BLOCK=_BLOCK, num_warps=8)
         ctx.save_for_backward(gate, up)
         ctx.cfg = (clamp, lim)
         return y
@@ -73,7 +78,7 @@ class _ClampedSwiGLU(torch.autograd.Function):
         dy = dy.contiguous()
         dg, du = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
-        _swiglu_bwd[(triton.cdiv(n, _BLOCK),)](gate, up, dy, dg, du, n, lim, CLAMP=clamp, BLOCK=_BLOCK,
+        _swiglu_bwd[(triton.cdiv(n, _BLOCK),)](gate, up, dy, dg, du, n, lim, CLAMP=clamp, CT=_ct(gate), BLOCK=_BLOCK,
                                               num_warps=8)
         return dg, du, None
 

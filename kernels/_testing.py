@@ -1,0 +1,33 @@
+"""Shared helpers of the Triton-vs-naive kernel tests (`kernels/<op>/test_<op>.py`).
+
+On a machine without CUDA the tests run Triton's CPU interpreter: `use_interpreter()` must be called at the top
+of a test module, BEFORE the op's `triton` module is imported (the @triton.jit decorator reads the switch).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+CUDA = torch.cuda.is_available()
+
+
+def use_interpreter() -> None:
+    """Select Triton's CPU interpreter when no GPU is present (must precede importing any kernels/*/triton.py)."""
+    if not CUDA:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def assert_rel(name: str, got: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
+    """‖got - ref‖ / ‖ref‖ <= rel (bf16 GPU checks); NaN never passes; names the tensor on failure."""
+    got, ref = got.double(), ref.double()
+    if not torch.isfinite(got).all():
+        raise AssertionError(f"{name}: non-finite values in the Triton result")
+    err = (got - ref).norm() / ref.norm().clamp_min(1e-30)
+    if not err <= rel:
+        raise AssertionError(f"{name}: relative error {err:.3e} > {rel:.1e}")
+
+
+def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> None:
+    """Elementwise allclose with a per-tensor name in the message (fp32 interpreter checks)."""
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
