@@ -14,10 +14,11 @@ One layer (kind from `cfg.compress_ratios[layer_idx]`: 0 window, m CSA, m' HCA),
 RoPE table: "main" (plain theta) for window layers, "compress" (YaRN) for CSA / HCA layers (§5.6).
 The masks of the kernels use the index 0..S-1 of a token in the sequence; `positions` only feeds RoPE.
 
-Indexer loss (§10.3, `cfg.indexer_loss_mode`): in training mode on a CSA layer,
+Indexer loss (§10.3, `cfg.indexer_loss_mode`), computed in training mode on a CSA layer:
     "sparse": candidates = the selected entries; the attention uses the top-k (as in inference);
-    "dense":  candidates = all complete entries, and the attention attends ALL of them (CSA without top-k,
-              Megatron's `csa_dense_mode` warm-up), so the teacher is still the attention actually run;
+    "dense":  candidates = all complete entries, and the attention attends ALL of them, in training and in eval
+              (CSA without top-k = Megatron's `csa_dense_mode` warm-up phase), so the teacher is still the
+              attention actually run; the top-k is still computed (`last_topk`) but not used;
     "off":    no loss.
 `self.indexer_loss` = coeff * KL(teacher || softmax(I)) (see `indexer.indexer_teacher` / `indexer_kl_loss`),
 else None. The indexer sees detached inputs: its loss trains only the indexer and the LM loss never reaches it.
@@ -108,7 +109,7 @@ class DSv4Attention(nn.Module):
         if self.indexer is not None:
             scores, sel = self.indexer(x.detach(), cq.detach(), positions, backend=backend)   # [S,B,T], [S,B,k]
             self.last_topk = sel.transpose(0, 1)                                # [S,B,k] -> [B,S,k]
-        use_sel = sel if (self.indexer is not None and not (self.training and mode == "dense")) else None
+        use_sel = sel if (self.indexer is not None and mode != "dense") else None   # dense: all entries
 
         o = sparse_attn(q, kv, comp, use_sel, self.attn_sink, self.window, self.ratio or 1, self.scale,
                         backend=backend)                                        # [S, B, H, c]

@@ -227,3 +227,15 @@ def test_bad_config_refused_with_field_name(over, field):
 def test_bad_layer_index_refused():
     with pytest.raises(ConfigError, match="compress_ratios"):
         DSv4Attention(get_config("debug"), 7)
+
+
+def test_dense_mode_attends_all_entries_in_eval_too():
+    """Dense warm-up is a phase of the model, not of training: eval attends all complete entries as well."""
+    cfg, attn = make_csa(seed=8, indexer_loss_mode="dense")
+    attn.eval()
+    h = torch.randn(1, 37, cfg.hidden_size)
+    with torch.no_grad():
+        y = attn(h)
+    assert attn.indexer_loss is None and attn.last_topk.shape == (1, 37, 4)
+    assert (y.double() - oracle_layer(cfg, CSA, attn.state_dict(), h, dense=True)["out"]).abs().max().item() <= 2e-5
+    assert (y.double() - oracle_layer(cfg, CSA, attn.state_dict(), h, dense=False)["out"]).abs().max().item() > 1e-3
