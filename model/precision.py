@@ -71,17 +71,37 @@ def optimizer_to_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Te
                 tensors[f"state.{pid}.{k}"] = v.detach().contiguous().clone()
                 meta_state[str(pid)][k] = {"tensor": True}
             else:
-                meta_state[str(pid)][k] = {"value": v}
-    return tensors, json.dumps({"state": meta_state, "param_groups": sd["param_groups"]})
+                meta_state[str(pid)][k] = {"value": _encode(v)}
+    return tensors, json.dumps({"state": meta_state, "param_groups": _encode(sd["param_groups"])})
+
+
+def _encode(v):
+    """JSON with tuples kept (AdamW's `betas` is a tuple; an exact round trip must give it back as one)."""
+    if isinstance(v, tuple):
+        return {"__tuple__": [_encode(x) for x in v]}
+    if isinstance(v, list):
+        return [_encode(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _encode(x) for k, x in v.items()}
+    return v
+
+
+def _decode(v):
+    if isinstance(v, dict):
+        return tuple(_decode(x) for x in v["__tuple__"]) if set(v) == {"__tuple__"} else \
+            {k: _decode(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_decode(x) for x in v]
+    return v
 
 
 def optimizer_from_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: str) -> None:
     m = json.loads(meta)
     state = {}
     for pid, st in m["state"].items():
-        state[int(pid)] = {k: (tensors[f"state.{pid}.{k}"] if v.get("tensor") else v["value"])
+        state[int(pid)] = {k: (tensors[f"state.{pid}.{k}"] if v.get("tensor") else _decode(v["value"]))
                            for k, v in st.items()}
-    opt.load_state_dict({"state": state, "param_groups": m["param_groups"]})
+    opt.load_state_dict({"state": state, "param_groups": _decode(m["param_groups"])})
 
 
 def save_optimizer(opt: torch.optim.Optimizer, path: str) -> None:
