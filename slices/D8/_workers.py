@@ -56,11 +56,11 @@ def _finish(outdir, rank, res, megatron=None):
     dist.destroy_process_group()
 
 
-def randomize(mod, seed=1):
+def randomize(mod, seed=1, std=0.3):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in mod.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.5) + (1.0 if p.dim() == 1 else 0))
+            p.copy_(torch.randn(p.shape, generator=g) * (std if p.dim() > 1 else 0.5) + (1.0 if p.dim() == 1 else 0))
 
 
 def stream_inputs(T, d, seed=0):
@@ -136,3 +136,35 @@ def cp_roll_worker(rank, ws, port, outdir, cu, cup, T):
     x_next, _ = roll_packed_cp(x, seg, group, fill=0.0)
     (x_next * w).sum().backward()
     _finish(outdir, rank, {"ids_next": ids_next, "valid": valid, "x_next": x_next.detach(), "x_grad": x.grad})
+
+
+# ---------------------------------------------------------------------------------------------- P10 EP dispatch
+
+def ep_worker(rank, ws, port, outdir, counts, layers, static_tokens, megatron):
+    """EP MoE on this rank's `counts[rank]` tokens (ids and x slices of one global batch), fwd + bwd."""
+    from dsv4.model.config import get_config
+    from dsv4.model.ep_dispatch import ep_moe_forward
+    from dsv4.model.moe import MoE
+    group = _init(rank, ws, port, megatron)
+    cfg = get_config("debug")
+    n_all = sum(counts)
+    s = sum(counts[:rank]); e = s + counts[rank]
+    res = []
+    for layer in layers:
+        torch.manual_seed(0)
+        moe = MoE(cfg, layer)
+        randomize(moe, seed=3, std=0.1)
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(1, n_all, cfg.hidden_size, generator=g)
+        ids = torch.randint(0, cfg.vocab_size, (1, n_all), generator=g)
+        r = torch.randn(1, n_all, cfg.hidden_size, generator=g)
+        x_loc = x[:, s:e].clone().requires_grad_()
+        y, idx = ep_moe_forward(moe, x_loc, ids[:, s:e], group, static_tokens)
+        (y * r[:, s:e]).sum().backward()
+        grads = {}
+        for n, p in moe.named_parameters():
+            gr = p.grad if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(gr, group=group)
+            grads[n] = gr
+        res.append({"y": y.detach()[0], "idx": idx, "x_grad": x_loc.grad[0], "grads": grads})
+    _finish(outdir, rank, res, megatron)

@@ -1,0 +1,162 @@
+"""Expert-parallel token dispatch with a variable number of tokens per rank (#5008 padding primitive, P10).
+
+Under THD packing every rank holds a different number of real tokens n_r. Megatron's HybridEP dispatcher
+wants a STATIC shape, so (#5008) the tokens are padded to a static count N (>= every n_r; e.g. the THD
+`max_seqlen_per_dp_cp_rank`) with a validity mask, and padded rows are never routed: they are not sent to any
+expert, do not count in the expert load, and get a zero output.
+
+Dispatch (one all_to_all each way over the EP group; gloo supports all_to_all, checked on torch 2.13):
+  experts are split contiguously: rank q owns experts [q E/ep, (q+1) E/ep);
+  every (token, k) slot goes to the owner of its expert. The send buffer is static: [ep, N*K, d] (a rank may
+  send all its slots to one owner), with the local expert id of each row (-1 = empty row);
+  the owner runs its experts on the rows it received, sends the results back with the same all_to_all;
+  the source combines y[t] = sum_k w[t,k] * expert_out[t,k] (accumulated in fp32, as model/moe.py does).
+Routing is computed on the source rank by the layer's own Gate on its real tokens only, so it is identical to
+the single-rank run token by token. Both all_to_alls are autograd-aware (the backward of an equal-split
+all_to_all is the same all_to_all), so expert-weight gradients land on the owner rank.
+
+Process group: Megatron-Core's `parallel_state.get_expert_model_parallel_group()` when initialised, else WORLD.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dsv4.kernels.swiglu import clamped_swiglu
+
+
+def ep_group():
+    try:
+        from megatron.core import parallel_state as ps
+        if ps.model_parallel_is_initialized():
+            return ps.get_expert_model_parallel_group()
+    except ImportError:
+        pass
+    return dist.group.WORLD
+
+
+# ---------------------------------------------------------------------------------------------- padding (#5008)
+
+
+def static_token_count(n_local: int, group=None, static: int | None = None) -> int:
+    """The static token count N: `static` if given (must be >= every rank's count), else the max over ranks."""
+    group = group or dist.group.WORLD
+    n = torch.tensor([n_local], dtype=torch.long)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+    if static is None:
+        return int(n)
+    if int(n) > static:
+        raise ValueError(f"static_tokens: {static} < the largest per-rank token count {int(n)}")
+    return static
+
+
+def pad_routed_tokens(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, N: int):
+    """Pad routed tokens x [n, d], w / idx [n, K] to N rows: (x [N, d], w [N, K], idx [N, K] with -1 = not
+    routed, valid [N] bool)."""
+    n = x.shape[0]
+    if n > N:
+        raise ValueError(f"static_tokens: {N} < local token count {n}")
+    pad = N - n
+    valid = torch.cat([torch.ones(n, dtype=torch.bool), torch.zeros(pad, dtype=torch.bool)])
+    return (torch.cat([x, x.new_zeros(pad, x.shape[1])]), torch.cat([w, w.new_zeros(pad, w.shape[1])]),
+            torch.cat([idx, idx.new_full((pad, idx.shape[1]), -1)]), valid)
+
+
+# ---------------------------------------------------------------------------------------------- all_to_all
+
+
+class _AllToAll(torch.autograd.Function):
+    """Equal-split all_to_all on dim 0 ([ep * n, ...]); its backward is the same all_to_all."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out = torch.empty_like(g)
+        dist.all_to_all_single(out, g.contiguous(), group=ctx.group)
+        return out, None
+
+
+def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    if x.is_floating_point():
+        return _AllToAll.apply(x, group)
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- dispatch
+
+
+def ep_experts_forward(experts, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, group=None,
+                       static_tokens: int | None = None) -> torch.Tensor:
+    """sum_k w_k Expert_{idx_k}(x) with the experts spread over the EP group -> [n, d] (x's dtype).
+
+    experts: `model.moe.Experts` (stacked w13 [E, 2f, d], w2 [E, d, f]); this rank uses only its own experts'
+    rows of w13 / w2. x [n, d], w / idx [n, K] are this rank's real tokens and their routing (n may differ
+    between ranks).
+    """
+    group = group or ep_group()
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    E = experts.w13.shape[0]
+    if E % ep:
+        raise ValueError(f"n_routed_experts: {E} not divisible by the expert-parallel size {ep}")
+    E_loc = E // ep
+    n, d = x.shape
+    K = idx.shape[1]
+    N = static_token_count(n, group, static_tokens)
+    xp, wp, ip, _ = pad_routed_tokens(x, w, idx, N)                           # [N, d], [N, K], [N, K]
+    cap = N * K                                                                # static rows per destination
+    slot_e = ip.reshape(-1)                                                    # [N*K] global expert, -1 = pad
+    slot_tok = torch.arange(N * K) // K                                        # [N*K] token of each slot
+    dest = torch.where(slot_e >= 0, torch.div(slot_e, E_loc, rounding_mode="floor"), torch.full_like(slot_e, -1))
+    # row of each slot in its destination's block: rank of the slot among the slots with the same destination
+    row = torch.zeros_like(slot_e)
+    for q in range(ep):
+        sel = dest == q
+        row[sel] = torch.arange(int(sel.sum()))
+    live = dest >= 0
+    flat_pos = dest[live] * cap + row[live]                                    # [n_live] row in the send buffer
+    send_x = xp.new_zeros(ep * cap, d).index_copy(0, flat_pos, xp[slot_tok[live]])   # [ep*cap, d]
+    send_e = torch.full((ep * cap,), -1, dtype=torch.long)
+    send_e[flat_pos] = slot_e[live] - dest[live] * E_loc                       # local expert id at the owner
+
+    recv_x = all_to_all(send_x, group)                                         # [ep*cap, d] rows for my experts
+    recv_e = all_to_all(send_e, group)
+    recv_y = torch.zeros(ep * cap, d, dtype=torch.promote_types(x.dtype, torch.float32))
+    for e in range(E_loc):                                                     # my experts
+        rows = torch.nonzero(recv_e == e).flatten()
+        if rows.numel() == 0:
+            continue
+        ge = rank * E_loc + e
+        gate, up = F.linear(recv_x[rows], experts.w13[ge]).chunk(2, dim=-1)    # [c, f] each
+        h = clamped_swiglu(gate, up, experts.limit, backend=experts.backend)
+        recv_y = recv_y.index_copy(0, rows, F.linear(h, experts.w2[ge]).to(recv_y.dtype))
+    back = all_to_all(recv_y, group)                                           # [ep*cap, d] results, my slots
+
+    # combine in ascending expert order (the accumulation order of model.moe.Experts, so sums match bitwise)
+    out = torch.zeros(N, d, dtype=recv_y.dtype)
+    y_slot = back[flat_pos] * wp.reshape(-1)[live].to(out.dtype)[:, None]     # [n_live, d] weighted outputs
+    e_live, t_live = slot_e[live], slot_tok[live]
+    order = torch.argsort(e_live, stable=True)
+    for e in torch.unique(e_live).tolist():
+        sel = order[e_live[order] == e]
+        out = out.index_add(0, t_live[sel], y_slot[sel])
+    return out[:n].to(x.dtype)
+
+
+def ep_moe_forward(moe, x: torch.Tensor, input_ids: torch.Tensor | None = None, group=None,
+                   static_tokens: int | None = None):
+    """A `model.moe.MoE` layer with expert parallelism: x [B, S, d] (this rank's tokens) -> (y [B, S, d],
+    idx [B*S, K] routing). Gate and shared expert run locally (replicated parameters)."""
+    B, S, d = x.shape
+    flat = x.reshape(B * S, d)                                                 # [n, d]
+    w, idx, _ = moe.gate(flat, input_ids)
+    y = ep_experts_forward(moe.experts, flat, w, idx, group, static_tokens) + moe.shared_experts(flat)
+    return y.view(B, S, d), idx
