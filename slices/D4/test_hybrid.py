@@ -1,0 +1,84 @@
+"""D4: HybridModel pattern parsing (W C H E - | /), parameter counts (Flash ~284B/13B, Pro ~1.6T/49B) checked
+against meta-device modules, and a pattern-built model with dense `-` layers that runs."""
+import pytest
+import torch
+
+from dsv4.model.config import ConfigError, get_config
+from dsv4.model.hybrid import config_from_ratios, count_params, parse_pattern, to_pattern
+from dsv4.model.model import build_model
+
+
+def test_megatron_functional_pattern():
+    lay = parse_pattern("WEC-|H-C-/W-", "debug")
+    c = lay.cfg
+    assert lay.stages == [[0, 1], [2, 3]]
+    assert c.num_hidden_layers == 4 and c.num_nextn_predict_layers == 1
+    assert c.compress_ratios == [0, c.csa_ratio, c.hca_ratio, c.csa_ratio, 0]
+    assert c.moe_layer_pattern == "E----"
+    assert [c.layer_kind(i) for i in range(5)] == ["window", "csa", "hca", "csa", "window"]
+    assert [c.is_moe(i) for i in range(5)] == [True, False, False, False, False]
+    assert to_pattern(c, lay.stages) == "WEC-|H-C-/W-"
+
+
+def test_flash_schedule_as_pattern():
+    flash = get_config("flash")
+    pat = to_pattern(flash)
+    assert pat == "WEWE" + "CEHE" * 20 + "CE" + "/WE"
+    c = parse_pattern(pat, "flash").cfg
+    assert c.compress_ratios == flash.compress_ratios and c.moe_layer_pattern is None
+    assert c.num_hash_layers == 3
+    r = config_from_ratios([0, 4, 16, 0], "debug")
+    assert r.num_hidden_layers == 3 and r.compress_ratios == [0, 4, 16, 0]
+
+
+@pytest.mark.parametrize("pattern,pos", [
+    ("WEX-", 2), ("WC-", 1), ("EW-", 0), ("WE||C-", 3), ("|WE", 0), ("WE/", 3), ("WE/W-|C-", 5),
+    ("WE/W-W-", 5), ("W", 1), ("WE|", 2), ("WE//W-", 3),
+])
+def test_bad_patterns_name_the_position(pattern, pos):
+    with pytest.raises(ConfigError) as e:
+        parse_pattern(pattern, "debug")
+    msg = str(e.value)
+    assert "\n" not in msg and f"position {pos}" in msg, msg
+
+
+def test_empty_pattern_refused():
+    with pytest.raises(ConfigError):
+        parse_pattern("", "debug")
+
+
+def _meta_counts(cfg):
+    m = build_model(cfg, device="meta")
+    total = sum(p.numel() for p in m.parameters())
+    mtp = sum(p.numel() for n, p in m.named_parameters() if n.startswith("mtp."))
+    routed = sum(p.numel() for n, p in m.named_parameters() if ".experts." in n and not n.startswith("mtp."))
+    return total, mtp, routed
+
+
+@pytest.mark.parametrize("name", ["debug", "flash", "pro"])
+def test_count_params_vs_meta_module(name):
+    cfg = get_config(name)
+    c = count_params(cfg)
+    total, mtp, routed = _meta_counts(cfg)
+    assert c["total"] == total and c["mtp"] == mtp
+    E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+    assert c["active"] == c["total_main"] - routed + routed * K // E
+    print(f"{name}: total {c['total'] / 1e9:.3f}B (main {c['total_main'] / 1e9:.3f}B), active {c['active'] / 1e9:.3f}B")
+
+
+def test_published_sizes():
+    f, p = count_params(get_config("flash")), count_params(get_config("pro"))
+    assert abs(f["total_main"] / 1e9 - 284) < 1.0 and abs(f["active"] / 1e9 - 13.8) < 0.1      # 284B / 13B
+    assert abs(p["total"] / 1e12 - 1.6) < 0.01 and abs(p["active"] / 1e9 - 49.8) < 0.1         # 1.6T / 49B
+    assert abs(f["active_no_embed"] / 1e9 - 13.3) < 0.1 and abs(p["active_no_embed"] / 1e9 - 48.9) < 0.1
+
+
+def test_pattern_model_with_dense_layers_runs_and_counts():
+    cfg = parse_pattern("WEC-|H-/W-", "debug").cfg
+    torch.manual_seed(0)
+    m = build_model(cfg)
+    assert sum(p.numel() for p in m.parameters()) == count_params(cfg)["total"]
+    assert not hasattr(m.layers[1].ffn, "gate") and m.layers[0].ffn.gate.hash
+    ids = torch.randint(0, cfg.vocab_size, (1, 23))
+    out = m(ids, labels=ids)
+    assert out.logits.shape == (1, 23, cfg.vocab_size) and torch.isfinite(out.loss)
