@@ -22,12 +22,9 @@ import triton.language as tl
 
 from dsv4.kernels._triton_util import configs, pow2
 
-_FWD_CONFIGS = configs(gpu=[dict(BT=64, BJ=64, num_warps=4, num_stages=3), dict(BT=128, BJ=64, num_warps=8, num_stages=3),
-                            dict(BT=64, BJ=128, num_warps=8, num_stages=3), dict(BT=128, BJ=128, num_warps=8, num_stages=2)],
+_FWD_CONFIGS = configs(gpu=[dict(BT=64, BJ=64, num_warps=4, num_stages=3), dict(BT=128, BJ=64, num_warps=8, num_stages=3)],
                        cpu=dict(BT=16, BJ=16))
-_BWD_CONFIGS = configs(gpu=[dict(BT=64, BJ=64, num_warps=4, num_stages=2), dict(BT=64, BJ=64, num_warps=8, num_stages=2),
-                            dict(BT=128, BJ=64, num_warps=8, num_stages=2)],
-                       cpu=dict(BT=16, BJ=16))
+_BWD_CONFIGS = configs(gpu=[dict(BT=64, BJ=64, num_warps=4, num_stages=2)], cpu=dict(BT=16, BJ=16))
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=["NH", "BC"])

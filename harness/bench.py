@@ -1,0 +1,355 @@
+"""`dsv4 bench kernels`: Triton kernels vs their naive PyTorch path and peers, on one GPU (H200), as JSON.
+
+Per op (shapes = DSv4-Flash where the op has them; B = 1):
+  sparse_attn  H=64, c=512, window 128; CSA (ratio 4, top-k 512) and HCA (ratio 128) at S in --seqs, and
+               window-only at the smallest S. TFLOP/s with cuDNN's convention over the keys each query
+               really sees (fwd 2·H·ΣK_t·(c+c), bwd 2·H·ΣK_t·(3c+2c)); the nominal K=640 numbers too.
+               Peer: dense causal `scaled_dot_product_attention` (flash/efficient/cuDNN backends, no math
+               fallback), same H and c, at the same S; the naive path at the smallest S only (O(S²) memory).
+  indexer      nI=64, cI=128, ratio 4: scoring fwd/bwd TFLOP/s over causal (t, j) pairs; top-k k=512.
+  compressor   CSA D=512 (overlap) / indexer D=128 (overlap) / HCA D=512 (ratio 128): TB/s.
+  mhc          N tokens x n=4 x d=4096 bf16: hc_pre / hc_post fwd and bwd, TB/s over the minimal bytes.
+  swiglu       [65536, 2048] bf16: TB/s.
+Timing: `triton.testing.do_bench` (median, L2 flushed between runs); dense SDPA at S >= 32K: CUDA events,
+1 warm-up + 2 runs (a run takes seconds). Results carry provenance: git sha, torch/triton versions, GPU.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+SLICE_OF = {"sparse_attn": "D3", "indexer": "D3", "compressor": "D3", "mhc": "P2", "swiglu": "P5"}
+OPS = ["sparse_attn", "indexer", "compressor", "mhc", "swiglu"]
+
+
+def _provenance():
+    import torch
+    import triton
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
+    except Exception:   # noqa: BLE001 - no git on the device copy
+        sha = ""
+    return {"git_sha": sha or os.environ.get("DSV4_GIT_SHA", "unknown"), "torch": torch.__version__,
+            "triton": triton.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(),
+            "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "timing": "triton.testing.do_bench median, L2 flushed (dense SDPA >= 32K: events, 1 warm-up + 2)"}
+
+
+def _ms(fn, rep=60):
+    import triton
+    return float(triton.testing.do_bench(fn, warmup=15, rep=rep, return_mode="median"))
+
+
+def _ms_events(fn, n=2):
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / n
+
+
+def _fwd_bwd(f, inputs, rep=60):
+    """(fwd ms, bwd ms) of out = f(); grads of `inputs` with a fixed random dout."""
+    import torch
+    fwd = _ms(lambda: f(), rep)
+    out = f()
+    outs = out if isinstance(out, tuple) else (out,)
+    douts = [torch.randn_like(o) for o in outs]
+    bwd = _ms(lambda: torch.autograd.grad(outs, inputs, douts, retain_graph=True), rep)
+    return fwd, bwd
+
+
+def _err(msg):
+    return {"error": msg[:500]}
+
+
+# ------------------------------------------------------------------------------------------ sparse attention
+def _csa_idx(S, T, k, ratio, dev, gen):
+    """Random unique top-k entry ids per query among its complete entries (-1 beyond), sorted ascending."""
+    import torch
+    idx = torch.empty(S, 1, min(k, T), dtype=torch.long, device=dev)
+    t = torch.arange(S, device=dev)
+    for s0 in range(0, S, 4096):
+        sc = torch.rand(min(4096, S - s0), T, generator=gen, device=dev)
+        lim = (t[s0:s0 + 4096] + 1) // ratio
+        sc = sc.masked_fill(torch.arange(T, device=dev)[None, :] >= lim[:, None], -1.0)
+        v, i = sc.topk(min(k, T), dim=-1)
+        i = torch.where(v < 0, torch.full_like(i, -1), i)
+        idx[s0:s0 + 4096, 0] = i.sort(dim=-1).values
+    return idx
+
+
+def _bench_sparse_attn(seqs, dense_peer, log):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from dsv4.kernels.sparse_attn import sparse_attn
+    from dsv4.kernels.sparse_attn import triton as tri
+    H, c, window, dev = 64, 512, 128, "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    cases = [("window", seqs[0])] + [(m, S) for S in seqs for m in ("csa", "hca")]
+    for mode, S in cases:
+        ratio, k = (4, 512) if mode == "csa" else (128, 0)
+        q = torch.randn(S, 1, H, c, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
+        kv = torch.randn(S, 1, c, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
+        sink = torch.randn(H, device=dev, generator=gen).requires_grad_()
+        comp = idx = None
+        t = torch.arange(S, device=dev)
+        nkeys = torch.clamp(t + 1, max=window).sum().item()
+        if mode != "window":
+            comp = torch.randn(S // ratio, 1, c, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
+        if mode == "csa":
+            idx = _csa_idx(S, S // ratio, k, ratio, dev, gen)
+            nkeys += (idx >= 0).sum().item()
+        elif mode == "hca":
+            nkeys += ((t + 1) // ratio).sum().item()
+        ins = [x for x in (q, kv, comp, sink) if x is not None]
+        row = {"mode": mode, "S": S, "B": 1, "H": H, "c": c, "window": window, "ratio": ratio if mode != "window" else 0,
+               "topk": k, "avg_keys_per_query": nkeys / S}
+        try:
+            fwd, bwd = _fwd_bwd(lambda: sparse_attn(q, kv, comp, idx, sink, window, ratio, c ** -0.5, backend="triton"),
+                                ins)
+            ff, fb = 4.0 * H * c * nkeys, 10.0 * H * c * nkeys
+            row.update(fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=ff / fwd * 1e-9, bwd_tflops=fb / bwd * 1e-9,
+                       fwd_bwd_ms=fwd + bwd,
+                       fwd_config=str(tri._sparse_attn_fwd.best_config), bwd_config=str(tri._sparse_attn_bwd.best_config))
+            if mode == "csa":   # nominal K = 640 for every query (kernels_perf §2.6 convention)
+                row.update(nominal_fwd_tflops=4.0 * H * c * 640 * S / fwd * 1e-9,
+                           nominal_bwd_tflops=10.0 * H * c * 640 * S / bwd * 1e-9)
+        except Exception as e:  # noqa: BLE001
+            row["triton"] = _err(repr(e))
+        if S == seqs[0]:
+            try:
+                nf, nb = _fwd_bwd(lambda: sparse_attn(q, kv, comp, idx, sink, window, ratio, c ** -0.5), ins, rep=30)
+                row.update(naive_fwd_ms=nf, naive_bwd_ms=nb, speedup_vs_naive=(nf + nb) / (row.get("fwd_bwd_ms") or math.nan))
+            except Exception as e:  # noqa: BLE001
+                row["naive"] = _err(repr(e))
+            torch.cuda.empty_cache()
+        log(row)
+        rows.append(row)
+        del q, kv, comp, idx, sink, ins
+        torch.cuda.empty_cache()
+    peers = []
+    if dense_peer:
+        for S in seqs:
+            try:
+                qd, kd, vd = (torch.randn(1, H, S, c, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
+                              for _ in range(3))
+                f = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                  SDPBackend.CUDNN_ATTENTION]):
+                    if S >= 32768:
+                        fwd = _ms_events(f)
+                        out = f()
+                        do = torch.randn_like(out)
+                        bwd = _ms_events(lambda: torch.autograd.grad(out, (qd, kd, vd), do, retain_graph=True))
+                    else:
+                        fwd, bwd = _fwd_bwd(f, [qd, kd, vd], rep=100)
+                flops = 2.0 * S * S * H * c   # causal: 4·S²/2·H·c fwd
+                p = {"peer": "sdpa_dense_causal", "S": S, "H": H, "c": c, "fwd_ms": fwd, "bwd_ms": bwd,
+                     "fwd_bwd_ms": fwd + bwd, "fwd_tflops": flops / fwd * 1e-9, "bwd_tflops": 2.5 * flops / bwd * 1e-9}
+                for r in rows:
+                    if r["S"] == S and "fwd_bwd_ms" in r:
+                        p[f"speedup_{r['mode']}_vs_dense"] = p["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+            except Exception as e:  # noqa: BLE001
+                p = {"peer": "sdpa_dense_causal", "S": S, **_err(repr(e))}
+            log(p)
+            peers.append(p)
+            qd = kd = vd = None
+            torch.cuda.empty_cache()
+    return {"rows": rows, "peers": peers,
+            "targets": {"fwd_tflops": 350, "bwd_tflops": 200, "speedup_vs_dense_fwd_bwd_64k": 20,
+                        "speedup_vs_dense_fwd_bwd_16k": 5}}
+
+
+# ---------------------------------------------------------------------------------------------------- indexer
+def _bench_indexer(seqs, log):
+    import torch
+
+    from dsv4.kernels.indexer import indexer_scores, indexer_topk
+    from dsv4.kernels.indexer import triton as tri
+    nI, cI, ratio, k, dev = 64, 128, 4, 512, "cuda"
+    gen = torch.Generator(device=dev).manual_seed(1)
+    rows = []
+    for S in seqs:
+        T = S // ratio
+        q = torch.randn(S, 1, nI, cI, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
+        kk = torch.randn(T, 1, cI, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
+        w = torch.randn(S, 1, nI, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
+        t = torch.arange(S, device=dev)
+        pairs = ((t + 1) // ratio).clamp(max=T).sum().item()
+        row = {"S": S, "nI": nI, "cI": cI, "ratio": ratio, "T": T, "causal_pairs": pairs}
+        try:
+            fwd, bwd = _fwd_bwd(lambda: indexer_scores(q, kk, w, ratio, backend="triton"), [q, kk, w])
+            fl = 2.0 * nI * cI * pairs
+            row.update(fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=fl / fwd * 1e-9, bwd_tflops_useful=2 * fl / bwd * 1e-9,
+                       bwd_tflops_executed=4 * fl / bwd * 1e-9, fwd_config=str(tri._scores_fwd.best_config))
+            with torch.no_grad():
+                I = indexer_scores(q, kk, w, ratio, backend="triton")
+                row["topk_ms"] = _ms(lambda: indexer_topk(I, k, backend="triton"))
+                row["topk_naive_sort_ms"] = _ms(lambda: indexer_topk(I, k, backend="naive"))
+                row["topk_read_tbps"] = I.numel() * 4 / row["topk_ms"] * 1e-9
+                row["topk_equal_naive"] = bool(torch.equal(indexer_topk(I, k, backend="triton"),
+                                                           indexer_topk(I, k, backend="naive")))
+                del I
+                row["select_chunked_ms"] = _ms(lambda: tri.indexer_select(q, kk, w, ratio, k), rep=30)
+        except Exception as e:  # noqa: BLE001
+            row["triton"] = _err(repr(e))
+        if S <= 4096:
+            try:
+                nf, nb = _fwd_bwd(lambda: indexer_scores(q, kk, w, ratio), [q, kk, w], rep=30)
+                row.update(naive_fwd_ms=nf, naive_bwd_ms=nb)
+            except Exception as e:  # noqa: BLE001
+                row["naive"] = _err(repr(e))
+        log(row)
+        rows.append(row)
+        del q, kk, w
+        torch.cuda.empty_cache()
+    return {"rows": rows, "targets": {"fwd_tflops_bf16": 400}}
+
+
+# ------------------------------------------------------------------------------------------------- compressor
+def _bench_compressor(S, log):
+    import torch
+
+    from dsv4.kernels.compressor import compress_pool
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    rows = []
+    for name, D, m, ov in [("csa_main", 512, 4, True), ("csa_indexer", 128, 4, True), ("hca_main", 512, 128, False)]:
+        W = 2 * D if ov else D
+        kv = torch.randn(S, 1, W, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+        g = torch.randn(S, 1, W, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+        ape = torch.randn(m, W, device="cuda", generator=gen).requires_grad_()
+        row = {"case": name, "S": S, "D": D, "ratio": m, "overlap": ov}
+        by_f = 2 * S * W * 2 + (S // m) * D * 2
+        by_b = 4 * S * W * 2 + (S // m) * D * 2
+        for backend in ("triton", "naive"):
+            try:
+                f, b = _fwd_bwd(lambda: compress_pool(kv, g, ape, m, ov, backend=backend), [kv, g, ape])
+                row[backend] = {"fwd_ms": f, "bwd_ms": b, "fwd_tbps": by_f / f * 1e-9, "bwd_tbps": by_b / b * 1e-9}
+            except Exception as e:  # noqa: BLE001
+                row[backend] = _err(repr(e))
+        log(row)
+        rows.append(row)
+    return {"rows": rows, "bytes": "fwd: read kv+gate, write out; bwd: read kv+gate(+dout), write dkv+dgate"}
+
+
+# ------------------------------------------------------------------------------------------------------- mhc
+def _bench_mhc(N, log):
+    import torch
+
+    from dsv4.kernels.mhc import hc_post, hc_pre
+    n, d = 4, 4096
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(N, n, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+    fn = (torch.randn((2 + n) * n, n * d, device="cuda", generator=gen) * 0.01).requires_grad_()
+    base = torch.zeros((2 + n) * n, device="cuda").requires_grad_()
+    scale = torch.ones(3, device="cuda").requires_grad_()
+    out = torch.randn(N, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+    post = torch.rand(N, n, device="cuda", generator=gen).requires_grad_()
+    comb = torch.rand(N, n, n, device="cuda", generator=gen).requires_grad_()
+    X, U = N * n * d * 2, N * d * 2
+    rows = []
+    for backend in ("triton", "naive"):
+        row = {"backend": backend, "N": N, "n": n, "d": d}
+        try:
+            f, b = _fwd_bwd(lambda: hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6, backend=backend), [x, fn, base, scale])
+            row["hc_pre"] = {"fwd_ms": f, "bwd_ms": b, "fwd_tbps": (2 * X + U) / f * 1e-9,
+                             "bwd_tbps": (3 * X + 2 * U) / b * 1e-9}
+            f, b = _fwd_bwd(lambda: hc_post(x, out, post, comb, backend=backend), [x, out, post, comb])
+            row["hc_post"] = {"fwd_ms": f, "bwd_ms": b, "fwd_tbps": (2 * X + U) / f * 1e-9,
+                              "bwd_tbps": (3 * X + 2 * U) / b * 1e-9}
+        except Exception as e:  # noqa: BLE001
+            row["error"] = repr(e)[:500]
+        log(row)
+        rows.append(row)
+    return {"rows": rows, "bytes": "pre fwd: 2 reads of x + write u; post fwd: read x + out, write y; "
+                                   "bwd: 3 x-sized + 2 u-sized transfers", "targets_tbps": {"fwd": 3.7, "bwd": 3.4}}
+
+
+# ---------------------------------------------------------------------------------------------------- swiglu
+def _bench_swiglu(log):
+    import torch
+
+    from dsv4.kernels.swiglu import clamped_swiglu
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    shape = (65536, 2048)
+    g = torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16).mul(4).requires_grad_()
+    u = torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16).mul(4).requires_grad_()
+    E = g.numel() * 2
+    rows = []
+    for backend in ("triton", "naive"):
+        f, b = _fwd_bwd(lambda: clamped_swiglu(g, u, 10.0, backend=backend), [g, u])
+        row = {"backend": backend, "shape": list(shape), "fwd_ms": f, "bwd_ms": b, "fwd_tbps": 3 * E / f * 1e-9,
+               "bwd_tbps": 5 * E / b * 1e-9}
+        log(row)
+        rows.append(row)
+    return {"rows": rows, "bytes": "fwd: read gate+up, write y; bwd: read gate+up+dy, write dgate+dup"}
+
+
+@click.command("kernels")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write all results to this JSON file.")
+@click.option("--out-dir", type=click.Path(file_okay=False), default=None,
+              help="Also write <dir>/<slice>/bench_kernels.json per slice (D3: attention ops, P2: mHC, P5: SwiGLU).")
+@click.option("--only", default=",".join(OPS), show_default=True, help="Comma list of ops.")
+@click.option("--seqs", default="4096,16384,65536", show_default=True, help="Sparse-attention sequence lengths.")
+@click.option("--dense-peer/--no-dense-peer", default=True, help="Time dense causal SDPA at the same lengths.")
+def bench_cmd(as_json, out, out_dir, only, seqs, dense_peer):
+    """Triton kernels vs naive vs peers on one GPU (H200); JSON with provenance."""
+    import torch
+    if not torch.cuda.is_available():
+        raise click.ClickException("bench kernels needs a CUDA GPU (none visible)")
+    ops = [o for o in only.split(",") if o]
+    bad = sorted(set(ops) - set(OPS))
+    if bad:
+        raise click.ClickException(f"--only: unknown op {bad[0]!r}; known: {', '.join(OPS)}")
+    seq = [int(s) for s in seqs.split(",")]
+    log = lambda r: print(json.dumps(r), file=sys.stderr, flush=True)
+    res = {"provenance": _provenance(), "ops": {}}
+    for op in ops:
+        t0 = time.time()
+        try:
+            if op == "sparse_attn":
+                r = _bench_sparse_attn(seq, dense_peer, log)
+            elif op == "indexer":
+                r = _bench_indexer([s for s in seq if s <= 16384] or seq[:1], log)
+            elif op == "compressor":
+                r = _bench_compressor(65536, log)
+            elif op == "mhc":
+                r = _bench_mhc(16384, log)
+            else:
+                r = _bench_swiglu(log)
+        except Exception as e:  # noqa: BLE001
+            r = _err(repr(e))
+        r["wall_s"] = time.time() - t0
+        res["ops"][op] = r
+        print(f"[bench] {op} done in {r['wall_s']:.1f}s", file=sys.stderr, flush=True)
+    text = json.dumps(res, indent=1)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+    if out_dir:
+        for sl in sorted({SLICE_OF[o] for o in ops}):
+            sub = {"provenance": res["provenance"], "ops": {o: res["ops"][o] for o in ops if SLICE_OF[o] == sl}}
+            p = Path(out_dir) / sl / "bench_kernels.json"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(json.dumps(sub, indent=1))
+    if as_json:
+        click.echo(text)

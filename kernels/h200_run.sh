@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device call on the H200 (run from the repo root): the kernel tests at DSv4 shapes, then
+# `dsv4 bench kernels`, logs and JSON under $OUT (copied to goldens/h200/<slice>/ afterwards).
+# The checkout is not pip-installed there: a shim package dir maps dsv4.* onto the folders.
+set -u
+export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/shim/dsv4
+cp harness/_root/__init__.py /tmp/shim/dsv4/__init__.py
+for d in model kernels harness slices; do ln -sfn "$PWD/$d" /tmp/shim/dsv4/$d; done
+export PYTHONPATH=/tmp/shim
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x --durations=15 -p no:cacheprovider ${TESTS:-kernels/sparse_attn/test_sparse_attn.py kernels/compressor/test_compressor.py kernels/indexer/test_indexer.py kernels/mhc/test_mhc.py kernels/swiglu/test_swiglu.py} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+fi
+timeout ${BENCH_TIMEOUT:-420} python3 -c "from dsv4.harness.bench import bench_cmd; bench_cmd()" \
+  --out "$OUT/bench_kernels.json" --out-dir "$OUT" ${BENCH_ARGS:-} 2> "$OUT/bench.log"
+echo "bench rc=$?"; grep -v '^ *$' "$OUT/bench.log" | cut -c1-400 | tail -40
