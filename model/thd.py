@@ -25,6 +25,8 @@ by autograd), no Python loop over documents.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -301,3 +303,73 @@ def thd_attention_forward(attn, h: torch.Tensor, cu_seqlens: torch.Tensor,
     seg, pos = seg_pos_from_cu_seqlens(cu_seqlens, h.shape[1], cu_seqlens_padded)
     seg, pos = seg.to(h.device), pos.to(h.device)
     return attention_on_layout(attn, h[0], seg, pos)[None]                      # [T, d] -> [1, T, d]
+
+
+# ---------------------------------------------------------------------------------------------- full model (D6)
+
+
+@contextlib.contextmanager
+def packed(model, cu_seqlens, cu_seqlens_padded=None, total: int | None = None):
+    """Run a `DSv4Model` on a packed stream [1, T]: inside the context every DSv4Attention layer runs
+    `thd_attention_forward` (document-local windows, compression, indexer, RoPE positions) and the MTP block
+    reads ids_next rolled inside each document (model/mtp_roll.py). Everything else in the model is per token.
+    """
+    from .mtp_roll import roll_packed
+    attns = [m for m in model.modules() if type(m).__name__ == "DSv4Attention"]
+    mtps = list(getattr(model, "mtp", []))
+
+    def attn_fwd(attn):
+        def fwd(h, positions=None, backend=None):
+            return thd_attention_forward(attn, h, cu_seqlens, cu_seqlens_padded)
+        return fwd
+
+    def mtp_fwd(blk, orig):
+        def fwd(X, e_next, ids_next, positions=None):
+            # the model passes ids_next[t] = ids[t+1] of the whole stream: keep it only inside a document
+            seg, _ = seg_pos_from_cu_seqlens(cu_seqlens, ids_next.shape[1], cu_seqlens_padded)
+            _, valid = roll_packed(seg, seg)                                # t+1 in t's document
+            ids_roll = torch.where(valid.to(ids_next.device)[None], ids_next, torch.zeros_like(ids_next))
+            return orig(X, model.embed(ids_roll), ids_roll, positions)
+        return fwd
+
+    try:
+        for a in attns:
+            a.forward = attn_fwd(a)
+        for blk in mtps:
+            blk.forward = mtp_fwd(blk, type(blk).forward.__get__(blk))
+        yield model
+    finally:
+        for m in attns + mtps:
+            m.__dict__.pop("forward", None)
+
+
+def packed_model_forward(model, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                         cu_seqlens=None, cu_seqlens_padded=None):
+    """DSv4Model on packed input_ids [1, T] (+ labels [1, T], already shifted inside each document, -100 =
+    ignored) -> the model's output; logits / mtp_logits of every document equal running it alone. The loss:
+    lm CE over labels + mtp_loss_scaling_factor * CE over the labels rolled once inside each document
+    (model/mtp_roll.py; a document's last token has no MTP target) + the model's auxiliary losses."""
+    import torch.nn.functional as F
+    from .mtp_roll import IGNORE, mtp_inputs
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise THDError(f"input_ids: packed input must be [1, T], got {tuple(input_ids.shape)}")
+    if cu_seqlens is None:
+        raise THDError("cu_seqlens: required for a packed forward")
+    with packed(model, cu_seqlens, cu_seqlens_padded):
+        out = model(input_ids)
+    if labels is None:
+        return out
+    V = out.logits.shape[-1]
+    lm = F.cross_entropy(out.logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE)
+    loss, losses = lm, {"lm loss": lm.detach()}
+    if out.mtp_logits is not None:
+        _, mtp_labels = mtp_inputs(input_ids, labels, cu_seqlens, cu_seqlens_padded)
+        mtp = F.cross_entropy(out.mtp_logits.float().reshape(-1, V), mtp_labels.reshape(-1), ignore_index=IGNORE)
+        loss = loss + model.cfg.mtp_loss_scaling_factor * mtp
+        losses["mtp_1 loss"] = mtp.detach()
+    aux = [m.aux_loss for m in model.modules() if getattr(m, "aux_loss", None) is not None]
+    if aux:
+        al = torch.stack([t.float() for t in aux]).sum()
+        loss, losses["moe aux loss"] = loss + al, al.detach()
+    out.loss, out.losses = loss, losses
+    return out

@@ -1,0 +1,88 @@
+"""D6: the full DSv4Model (debug config: window, CSA, HCA layers, hash + score MoE, mHC, MTP) on packed input
+[1, T] with cu_seqlens (and padded offsets) == each document run alone: logits, MTP logits, gradients of every
+parameter, and the loss (token-weighted over documents, MTP targets rolled once inside each document).
+
+Oracle: `model(doc_ids[None])` per document (a Python loop), fp32.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv4.model import thd
+from dsv4.model.config import get_config
+from dsv4.model.model import DSv4Model
+
+LENS = [6, 21, 3, 34, 9]          # odd lengths; 34 has 2 HCA entries (m' = 16) and more CSA entries than top-k
+PADDED = [6, 24, 3, 36, 9]        # docs 0 -> 1, 2 -> 3 back to back; docs 1, 3 followed by padding
+IGNORE = -100
+TOL = 1e-5
+
+
+def _model():
+    torch.manual_seed(0)
+    model = DSv4Model(get_config("debug")).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():                                # non-trivial sinks, ape, norms; larger projections
+        for n, p in model.named_parameters():
+            if n.endswith("attn_sink") or n.endswith(".ape") or n.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5 + (1.0 if n.endswith("norm.weight") else 0.0))
+            elif p.dim() == 2 and ".attn." in n:
+                p.mul_(10.0)
+    return model
+
+
+@pytest.mark.parametrize("padded", [True])          # one mixed layout (adjacent and padded documents) for speed
+def test_packed_model_equals_separate(padded):
+    model = _model()
+    cfg = model.cfg
+    cu = torch.tensor([0] + torch.tensor(LENS).cumsum(0).tolist())
+    cup = torch.tensor([0] + torch.tensor(PADDED).cumsum(0).tolist()) if padded else None
+    T = int((cup if padded else cu)[-1])
+    seg, _ = thd.seg_pos_from_cu_seqlens(cu, T, cup)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, cfg.vocab_size, (1, T), generator=g)
+    labels = torch.full((1, T), IGNORE)
+    docs = []
+    for d in range(len(LENS)):
+        rows = torch.nonzero(seg == d).flatten()
+        lab = torch.cat([ids[0, rows[1:]], torch.tensor([IGNORE])])             # next token inside the doc
+        labels[0, rows] = lab
+        docs.append(rows)
+    params = list(model.parameters())
+
+    out = thd.packed_model_forward(model, ids, labels, cu, cup)
+    real = seg >= 0
+    r1, r2 = torch.randn(out.logits.shape, generator=g), torch.randn(out.logits.shape, generator=g)
+    obj = (out.logits * r1)[0, real].sum() + (out.mtp_logits * r2)[0, real].sum() + out.loss
+    grads = torch.autograd.grad(obj, params, allow_unused=True)
+
+    obj_ref, ce_lm, ce_mtp, n_lm, n_mtp = 0.0, 0.0, 0.0, 0, 0
+    e_logit = e_mtp = 0.0
+    for rows in docs:
+        o = model(ids[:, rows])
+        e_logit = max(e_logit, (o.logits[0] - out.logits[0, rows]).abs().max().item())
+        e_mtp = max(e_mtp, (o.mtp_logits[0] - out.mtp_logits[0, rows]).abs().max().item())
+        obj_ref = obj_ref + (o.logits[0] * r1[0, rows]).sum() + (o.mtp_logits[0] * r2[0, rows]).sum()
+        lab = labels[0, rows]
+        ce_lm = ce_lm + F.cross_entropy(o.logits[0], lab, ignore_index=IGNORE, reduction="sum")
+        n_lm += int((lab != IGNORE).sum())
+        mlab = torch.cat([lab[1:], torch.tensor([IGNORE])])                     # alone: target of t is lab[t+1]
+        ce_mtp = ce_mtp + F.cross_entropy(o.mtp_logits[0], mlab, ignore_index=IGNORE, reduction="sum")
+        n_mtp += int((mlab != IGNORE).sum())
+    loss_ref = ce_lm / n_lm + cfg.mtp_loss_scaling_factor * ce_mtp / n_mtp
+    obj_ref = obj_ref + loss_ref
+    ref_grads = torch.autograd.grad(obj_ref, params, allow_unused=True)
+    assert e_logit <= TOL and e_mtp <= TOL, (e_logit, e_mtp)
+    assert abs(out.loss.item() - loss_ref.item()) <= TOL
+    e_grad = 0.0
+    for (n, _), a, b in zip(model.named_parameters(), grads, ref_grads):
+        if a is None and b is None:
+            continue
+        a = torch.zeros_like(b) if a is None else a
+        b = torch.zeros_like(a) if b is None else b
+        e = (a - b).abs().max().item() / max(1.0, b.abs().max().item())
+        assert e <= TOL, (n, e)
+        e_grad = max(e_grad, e)
+    print(f"padded={padded}: logits {e_logit:.2e}, mtp logits {e_mtp:.2e}, loss "
+          f"{abs(out.loss.item() - loss_ref.item()):.2e}, grads (rel) {e_grad:.2e}, |logit| max "
+          f"{out.logits.abs().max().item():.2f}")
