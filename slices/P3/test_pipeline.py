@@ -1,0 +1,209 @@
+"""P3: mHC pipeline / virtual-pipeline transport (model/pipeline.py).
+
+Oracle: the same DSv4Model with the same weights run whole in this process (gradient accumulation over the same
+micro-batches, objective / M). The pipelined runs -- PP=2 and PP=2 x VPP=2 over 2 gloo processes, and the
+one-process loopback -- must give the same metrics and every parameter gradient within 1e-6 (fp32), and every
+tensor crossing a stage boundary must be the n_hc streams [B, S, n_hc, d].
+"""
+import pytest
+import torch
+
+from dsv4.model import pipeline as P
+from dsv4.model.config import ConfigError
+from dsv4.model.hybrid import parse_pattern
+from dsv4.model.model import DSv4Model
+
+PAT_PP2 = "WEC-|HEW-/WE"           # 4 main layers in 2 stages, MTP (W + MoE) on the last stage
+PAT_VPP = "WE|C-|HE|W-/WE"         # the same model in 4 chunks: PP=2 x VPP=2
+B, S, M = 2, 13, 2                 # odd S; M micro-batches (a multiple of pp for VPP)
+GRAD_TOL = 1e-6                    # max |grad_pipe - grad_whole| per tensor, fp32
+LOSS_TOL = 1e-6                    # per metric (averages of fp32 scalars, summed in fp64)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _cfg(pattern=PAT_PP2):
+    return parse_pattern(pattern, base="debug").cfg
+
+
+def _weights(cfg, seed=0):
+    torch.manual_seed(seed)
+    m = DSv4Model(cfg)
+    with torch.no_grad():                       # non-zero mHC biases: non-uniform mixing, distinct streams
+        for n, p in m.named_parameters():
+            if "hc_" in n and "base" in n:
+                p.add_(torch.randn(p.shape) * 0.5)
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def _batches(cfg, m=M, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(m):
+        ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+        labels = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+        labels[0, 4] = labels[1, -2] = -100
+        out.append((ids, labels))
+    return out
+
+
+def _whole(cfg, sd, batches):
+    """The oracle: the model run whole; metrics averaged over micro-batches; grads of (loss / M) summed."""
+    model = DSv4Model(cfg)
+    model.load_state_dict(sd)
+    met = {}
+    for ids, labels in batches:
+        out = model(ids, labels)
+        (out.loss / len(batches)).backward()
+        for k, v in list(out.losses.items()) + [("loss", out.loss.detach())]:
+            met[k] = met.get(k, 0.0) + v.item() / len(batches)
+    return met, {n: p.grad for n, p in model.named_parameters()}
+
+
+def _compare(met, grads, ref_met, ref_grads):
+    assert set(met) == set(ref_met), (set(met), set(ref_met))
+    for k in ref_met:
+        assert abs(met[k] - ref_met[k]) <= LOSS_TOL, (k, met[k], ref_met[k])
+    assert set(grads) == set(ref_grads)
+    worst = 0.0
+    for n, g in ref_grads.items():
+        assert (grads[n] is None) == (g is None), n
+        if g is not None:
+            d = (grads[n] - g).abs().max().item()
+            assert d <= GRAD_TOL, (n, d)
+            worst = max(worst, d)
+    return worst
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = _cfg()
+    assert _cfg(PAT_VPP) == cfg
+    sd, batches = _weights(cfg), _batches(cfg)
+    ref_met, ref_grads = _whole(cfg, sd, batches)
+    assert {"lm loss", "mtp_1 loss", "indexer loss", "moe aux loss"} <= set(ref_met)   # every loss term is live
+    return cfg, sd, batches, ref_met, ref_grads
+
+
+@pytest.fixture(scope="module")
+def gloo_results(setup):
+    from dsv4.slices.P3._workers import pipeline_worker, spawn
+    cfg, sd, batches, _, _ = setup
+    return spawn(pipeline_worker, 2, cfg, sd, batches, [(PAT_PP2, 1), (PAT_VPP, 2)])
+
+
+def _merge(per_rank):
+    grads = {}
+    for r in per_rank:
+        for n, g in r["grads"].items():
+            if n in grads:                      # the shared embedding: both copies must agree after all-reduce
+                assert torch.equal(grads[n], g), n
+            grads[n] = g
+    return grads
+
+
+@pytest.mark.parametrize("run,vpp", [(0, 1), (1, 2)], ids=["pp2", "pp2_vpp2"])
+def test_gloo_matches_whole_model(setup, gloo_results, run, vpp):
+    cfg, _, _, ref_met, ref_grads = setup
+    per_rank = [res[run] for res in gloo_results]
+    assert [r["chunks"] for r in per_rank] == ([[0], [1]] if vpp == 1 else [[0, 2], [1, 3]])
+    for r in per_rank:
+        assert r["metrics"] == per_rank[0]["metrics"]            # reduced over the ranks
+    _compare(per_rank[0]["metrics"], _merge(per_rank), ref_met, ref_grads)
+    # what crossed the boundaries: only the n_hc streams (forward) and their gradients (backward)
+    streams = (B, S, cfg.hc_mult, cfg.hidden_size)
+    log = [e for r in per_rank for e in r["log"]]
+    boundaries = 2 * vpp - 1
+    assert sorted(d for d, _ in log) == ["recv"] * (2 * M * boundaries) + ["send"] * (2 * M * boundaries)
+    assert all(s == streams for _, s in log), {s for _, s in log}
+    assert cfg.hc_mult > 1
+
+
+@pytest.mark.parametrize("pattern,pp,vpp,m", [(PAT_PP2, 2, 1, 2), (PAT_VPP, 2, 2, 4), (PAT_VPP, 4, 1, 2)])
+def test_loopback_matches_whole_model(setup, pattern, pp, vpp, m):
+    cfg, sd, _, _, _ = setup
+    batches = _batches(cfg, m, seed=2)
+    ref_met, ref_grads = _whole(cfg, sd, batches)
+    model = DSv4Model(cfg)
+    model.load_state_dict(sd)
+    chunks = P.split_stages(model, pattern)
+    transport = P.LoopbackTransport((B, S, cfg.hc_mult, cfg.hidden_size), torch.float32)
+    met = P.run_local(chunks, batches, pp, vpp, transport)
+    _compare(met, {n: p.grad for n, p in model.named_parameters()}, ref_met, ref_grads)
+    assert len(transport.log) == 2 * 2 * m * (len(chunks) - 1)
+    assert all(s == (B, S, cfg.hc_mult, cfg.hidden_size) for _, s in transport.log)
+
+
+def test_collapsed_hidden_state_is_refused(setup):
+    """A stage that sends one hidden state [B, S, d] (streams collapsed) instead of [B, S, n, d] must fail."""
+    cfg, sd, batches, _, _ = setup
+    model = DSv4Model(cfg)
+    model.load_state_dict(sd)
+    chunks = P.split_stages(model, PAT_PP2)
+    fwd = chunks[0].forward
+    chunks[0].forward = lambda X, ids, labels=None: (lambda o: (o[0].mean(2), *o[1:]))(fwd(X, ids, labels))
+    with pytest.raises(ValueError, match=r"streams shape \[B, S, n_hc, d\]"):
+        P.run_local(chunks, batches, 2)
+    t = P.P2PTransport((B, S, cfg.hc_mult, cfg.hidden_size), torch.float32)
+    with pytest.raises(ValueError, match="streams shape"):
+        t.send(torch.zeros(B, S, cfg.hidden_size), 0, 1, P.FWD)
+    with pytest.raises(ValueError, match="streams shape"):
+        t.send(torch.zeros(B, S, cfg.hc_mult, cfg.hidden_size, dtype=torch.float64), 0, 1, P.FWD)
+
+
+def test_stage_ownership(setup):
+    cfg, sd, _, _, _ = setup
+    model = DSv4Model(cfg)
+    chunks = P.split_stages(model, PAT_VPP)
+    assert [c.layer_ids for c in chunks] == [[0], [1], [2], [3]]
+    names = [{n for n, _ in c.named_parameters()} for c in chunks]
+    layer = lambda ns: {n.split(".")[1] for n in ns if n.startswith("layers.")}   # noqa: E731
+    assert [layer(ns) for ns in names] == [{"0"}, {"1"}, {"2"}, {"3"}]
+    top = [{n for n in ns if not n.startswith("layers.")} for ns in names]
+    assert top[0] == {"embed.weight"}
+    assert top[1] == top[2] == set()
+    last_top = {n for n in top[3] if not n.startswith("mtp.")}
+    assert last_top == {"embed.weight", "norm.weight", "head.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"}
+    assert any(n.startswith("mtp.0.") for n in top[3])
+    # the chunks together hold every parameter of the model, under its own names, as the same objects
+    full = dict(model.named_parameters())
+    for c in chunks:
+        for n, p in c.named_parameters():
+            assert full[n] is p, n
+    assert set().union(*names) == set(full)
+    # interleaved ownership: rank r holds chunks r, r + pp
+    assert list(P.chunks_of_rank(chunks, 0, 2)) == [0, 2] and list(P.chunks_of_rank(chunks, 1, 2)) == [1, 3]
+    # without MTP the last stage has no embedding copy
+    no_mtp = DSv4Model(_cfg("WEC-|HEW-"))
+    last = P.split_stages(no_mtp, "WEC-|HEW-")[-1]
+    assert not hasattr(last, "embed") and len(last.mtp) == 0
+
+
+def test_stage_refusals(setup):
+    cfg, _, _, _, _ = setup
+    model = DSv4Model(cfg)
+    with pytest.raises(ConfigError, match="contiguously"):
+        P.split_stages(model, [[0, 2], [1, 3]])
+    with pytest.raises(ConfigError, match="contiguously"):
+        P.split_stages(model, [[0, 1], [2]])
+    with pytest.raises(ConfigError, match="hash layers"):
+        P.split_stages(DSv4Model(cfg.replace(num_hash_layers=2)), [[0], [1, 2, 3]])
+    with pytest.raises(ConfigError, match="multiple of pp"):
+        P.build_schedule(2, 2, 3)
+    assert P.even_stages(4, 3) == [[0, 1], [2], [3]]
+
+
+def test_schedule_is_megatron_interleaved():
+    """All forwards then all backwards; within a phase Megatron's interleaved order (groups of pp micro-batches)."""
+    s = P.build_schedule(2, 2, 4)
+    F0 = [(0, 0), (1, 0), (0, 2), (1, 2), (2, 0), (3, 0), (2, 2), (3, 2)]
+    B0 = [(0, 2), (1, 2), (0, 0), (1, 0), (2, 2), (3, 2), (2, 0), (3, 0)]
+    assert s[0] == [("F", mb, c) for mb, c in F0] + [("B", mb, c) for mb, c in B0]
+    assert s[1] == [("F", mb, c + 1) for mb, c in F0] + [("B", mb, c + 1) for mb, c in B0]
+    assert P.build_schedule(3, 1, 2)[2] == [("F", 0, 2), ("F", 1, 2), ("B", 0, 2), ("B", 1, 2)]
