@@ -32,7 +32,7 @@ def make_layer(kind, seed=0, dtype=torch.float32, **over):
 # ------------------------------------------------------------------------------------ whole layer vs oracle
 
 @pytest.mark.parametrize("kind", ["window", "csa", "hca"])
-@pytest.mark.parametrize("S", [37, 13, 3])
+@pytest.mark.parametrize("S", [37, 3])
 def test_forward_matches_loop_oracle(kind, S):
     cfg, attn = make_layer(kind, seed=S)
     attn.eval()

@@ -1,0 +1,46 @@
+"""D1: the attention module with `backend="triton"` equals `backend="naive"` (outputs, gradients of the input and
+of every parameter, indexer selection and loss), for each layer kind at an odd length.
+CPU: Triton's interpreter (fp32, tight). GPU: same check on CUDA tensors with relative tolerances (fp32 tl.dot may
+run as TF32 there)."""
+from dsv4.kernels._testing import CUDA, use_interpreter
+
+use_interpreter()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+from dsv4.model.attention import DSv4Attention  # noqa: E402
+from dsv4.model.config import get_config  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_triton_backend_matches_naive_through_the_module(layer):
+    cfg = get_config("debug", indexer_loss_coeff=1.0)
+    torch.manual_seed(layer)
+    attn = DSv4Attention(cfg, layer).to(DEV).train()
+    with torch.no_grad():
+        for n, p in attn.named_parameters():
+            if p.dim() == 1 or n.endswith("ape"):
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in n else 0.0))
+    h = torch.randn(1, 21, cfg.hidden_size, device=DEV, requires_grad=True)
+    res = {}
+    for be in ("naive", "triton"):
+        y = attn(h, backend=be)
+        loss = y.square().mean() + (attn.indexer_loss if attn.indexer_loss is not None else 0)
+        grads = torch.autograd.grad(loss, [h] + list(attn.parameters()), allow_unused=True)
+        res[be] = (y.detach(), grads, attn.indexer_loss, attn.last_topk)
+    (y0, g0, l0, s0), (y1, g1, l1, s1) = res["naive"], res["triton"]
+    rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-30)).item()   # noqa: E731
+    tol_y, tol_g = (1e-6, 1e-5) if not CUDA else (2e-3, 1e-2)
+    assert rel(y1, y0) <= tol_y, f"layer {layer}: output rel err {rel(y1, y0):.3g}"
+    names = ["input"] + [n for n, _ in attn.named_parameters()]
+    for n, a, b in zip(names, g1, g0):
+        assert (a is None) == (b is None), n
+        if a is not None and b.norm() > 0:
+            assert rel(a, b) <= tol_g, f"layer {layer}: grad {n} rel err {rel(a, b):.3g}"
+    if s0 is not None:
+        assert torch.equal(s0, s1)
+        assert abs(l0.item() - l1.item()) <= 1e-5 * abs(l0.item()) + 1e-7
