@@ -76,6 +76,13 @@ class ModelChunk(nn.Module):
             self.hc_head_fn, self.hc_head_base, self.hc_head_scale = (model.hc_head_fn, model.hc_head_base,
                                                                       model.hc_head_scale)
 
+    def set_kernel_backend(self, backend: str) -> "ModelChunk":
+        """As `DSv4Model.set_kernel_backend`, for this chunk's modules (incl. its own HyperHead call)."""
+        for m in self.modules():
+            if hasattr(m, "backend") and isinstance(m.backend, str):
+                m.backend = backend
+        return self
+
     def forward(self, X: torch.Tensor | None, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
         """X [B, S, n, d] streams (None on chunk 0), input_ids [B, S], labels [B, S] (last chunk).
 

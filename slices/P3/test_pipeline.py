@@ -115,7 +115,13 @@ def test_gloo_matches_whole_model(setup, gloo_results, run, vpp):
     assert [r["chunks"] for r in per_rank] == ([[0], [1]] if vpp == 1 else [[0, 2], [1, 3]])
     for r in per_rank:
         assert r["metrics"] == per_rank[0]["metrics"]            # reduced over the ranks
-    _compare(per_rank[0]["metrics"], _merge(per_rank), ref_met, ref_grads)
+    grads = _merge(per_rank)
+    _compare(per_rank[0]["metrics"], grads, ref_met, ref_grads)
+    # MTP on the last stage is live: its loss is reported and its block, e_proj / h_proj and the shared
+    # embedding (through Embed(ids_next)) receive non-zero gradients equal to the whole model's
+    assert per_rank[1]["metrics"]["mtp_1 loss"] > 0
+    for n in ("mtp.0.e_proj.weight", "mtp.0.h_proj.weight", "mtp.0.hc_head_fn", "mtp.0.attn.wq_a.weight"):
+        assert grads[n].abs().max() > 0, n
     # what crossed the boundaries: only the n_hc streams (forward) and their gradients (backward)
     streams = (B, S, cfg.hc_mult, cfg.hidden_size)
     log = [e for r in per_rank for e in r["log"]]
