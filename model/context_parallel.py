@@ -194,3 +194,42 @@ def cp_attention_forward(attn, h_local: torch.Tensor, cu_seqlens, total: int, cu
     out = attention_on_layout(attn, x, seg, pos, halo,
                               gather_entries=lambda c, s, j: gather_entries(c, s, j, group))
     return out[None]                                                           # [C, d] -> [1, C, d]
+
+
+def simulate_cp_attention(attn, h: torch.Tensor, cu_seqlens, cp: int, cu_seqlens_padded=None) -> torch.Tensor:
+    """Single-process emulation of `cp_attention_forward` on cp ranks (same layout, halo and entry-gather
+    math, no torch.distributed): h [1, T, d] -> [1, T, d], the cp chunk outputs concatenated. For goldens and
+    quick checks; differentiable."""
+    T = h.shape[1]
+    halo = attention_halo(attn.cfg, attn.layer_idx)
+    ranks = []
+    for r in range(cp):
+        s, e = contiguous_chunk(T, cp, r)
+        seg, pos = rank_layout(cu_seqlens, T, cp, r, halo, cu_seqlens_padded)
+        rows = torch.arange(s - halo, e)
+        x = torch.where((rows >= 0)[:, None], h[0, rows.clamp(min=0)], torch.zeros(()))   # [halo + C, d]
+        ranks.append((x, seg, pos))
+
+    local = [[] for _ in range(cp)]                 # phase 1: every rank's locally closed entries, per call
+
+    def record(r):
+        def fn(c, s, j):
+            local[r].append((c, s, j))
+            return c, s, j
+        return fn
+
+    for r, (x, seg, pos) in enumerate(ranks):
+        attention_on_layout(attn, x, seg, pos, halo, gather_entries=record(r))
+
+    def gathered(r):                                # phase 2: rank r sees all ranks' entries, rank-major
+        calls = iter(range(len(local[0])))
+
+        def fn(c, s, j):
+            k = next(calls)
+            return (torch.cat([local[q][k][0] if q != r else c for q in range(cp)]),
+                    torch.cat([local[q][k][1] for q in range(cp)]), torch.cat([local[q][k][2] for q in range(cp)]))
+        return fn
+
+    outs = [attention_on_layout(attn, x, seg, pos, halo, gather_entries=gathered(r))
+            for r, (x, seg, pos) in enumerate(ranks)]
+    return torch.cat(outs)[None]

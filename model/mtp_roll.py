@@ -86,8 +86,15 @@ def roll_packed_cp(x_local: torch.Tensor, seg_local: torch.Tensor, group=None, f
         nxt_seg = _NextRankFirstRow.forward(_Ctx(), seg_local[:1], group)
         if dist.get_rank(group) + 1 == dist.get_world_size(group):
             nxt_seg = nxt_seg.fill_(-1)                                        # after the stream: nothing
-    ext = torch.cat([x_local, nxt_row], dim=0)                                 # [C + 1, ...]
-    ext_seg = torch.cat([seg_local, nxt_seg])
+    return roll_chunk(x_local, seg_local, nxt_row, nxt_seg, fill)
+
+
+def roll_chunk(x_local: torch.Tensor, seg_local: torch.Tensor, next_row: torch.Tensor, next_seg: torch.Tensor,
+               fill=0):
+    """The roll of one contiguous chunk given the next chunk's first row [1, ...] and its doc id [1] (-1 after
+    the stream's end) -> (y [C, ...], valid [C])."""
+    ext = torch.cat([x_local, next_row], dim=0)                                # [C + 1, ...]
+    ext_seg = torch.cat([seg_local, next_seg])
     y, valid = roll_packed(ext, ext_seg, fill)
     return y[:-1], valid[:-1]
 

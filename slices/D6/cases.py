@@ -1,0 +1,62 @@
+"""D6 golden cases: packed THD DSv4 attention layers and the packed full model (debug config)."""
+import torch
+
+from dsv4.harness.cases import golden_case
+
+TOL = (1e-5, 1e-4)
+CU, CUP = [0, 5, 24, 27, 64], [0, 8, 28, 31, 68]     # odd documents, padded slots
+
+
+def _attn(layer):
+    from dsv4.model.attention import DSv4Attention
+    from dsv4.model.config import get_config
+    torch.manual_seed(0)
+    attn = DSv4Attention(get_config("debug"), layer).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.5) + (1.0 if p.dim() == 1 else 0))
+    return attn
+
+
+def _packed_attention(layer):
+    from dsv4.model import thd
+    attn = _attn(layer)
+    h = torch.randn(1, CUP[-1], 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = thd.thd_attention_forward(attn, h, torch.tensor(CU), torch.tensor(CUP))
+    return attn, out
+
+
+@golden_case("thd_attention_csa_packed", tol={"out": TOL})
+def thd_attention_csa_packed():
+    """CSA layer (1) on 4 padded documents [5, 19, 3, 37] (T = 68): output and selected entries (exact)."""
+    attn, out = _packed_attention(1)
+    return {"out": out, "selected": attn.last_topk}
+
+
+@golden_case("thd_attention_hca_packed", tol={"out": TOL})
+def thd_attention_hca_packed():
+    """HCA layer (2, m' = 16) on the same packed stream."""
+    return {"out": _packed_attention(2)[1]}
+
+
+@golden_case("thd_model_packed", tol={"logits": TOL, "mtp_logits": TOL, "loss": TOL})
+def thd_model_packed():
+    """DSv4Model (debug) on the packed stream: logits / MTP logits of the first 16 vocab ids, and the loss."""
+    from dsv4.model import thd
+    from dsv4.model.config import get_config
+    from dsv4.model.model import DSv4Model
+    torch.manual_seed(0)
+    model = DSv4Model(get_config("debug")).eval()
+    cu, cup = torch.tensor(CU), torch.tensor(CUP)
+    T = CUP[-1]
+    ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(3))
+    seg, _ = thd.seg_pos_from_cu_seqlens(cu, T, cup)
+    labels = torch.full((1, T), -100)
+    for d in range(4):
+        rows = torch.nonzero(seg == d).flatten()
+        labels[0, rows[:-1]] = ids[0, rows[1:]]
+    with torch.no_grad():
+        out = thd.packed_model_forward(model, ids, labels, cu, cup)
+    return {"logits": out.logits[..., :16], "mtp_logits": out.mtp_logits[..., :16], "loss": out.loss.item()}
