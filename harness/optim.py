@@ -76,6 +76,7 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for g in self.param_groups:
             lr, mu, wd = g["lr"], g["momentum"], g["weight_decay"]
+            todo = []                                                     # (param, [matrices [b, n, m]])
             for p in g["params"]:
                 if p.grad is None:
                     continue
@@ -88,8 +89,20 @@ class Muon(torch.optim.Optimizer):
                 upd = grad.add(buf, alpha=mu) if g["nesterov"] else buf  # mu M_t + G_t
                 k = self.split.get(p, 1)                                  # fused [.., k*n, m] -> k matrices
                 n, m = p.shape[-2] // k, p.shape[-1]
-                O = torch.cat([hybrid_newton_schulz(u, dtype=self.ns_dtype)
-                               for u in upd.split(n, dim=-2)], dim=-2)   # [..., k*n, m]
+                todo.append((p, [u.reshape(-1, n, m) for u in upd.split(n, dim=-2)]))
+            # batch the Newton–Schulz iterations over all matrices of one shape (same math, fewer kernels)
+            by_shape: dict = {}
+            for i, (_, mats) in enumerate(todo):
+                for j, u in enumerate(mats):
+                    by_shape.setdefault(tuple(u.shape[-2:]), []).append((i, j, u))
+            out: dict = {}
+            for items in by_shape.values():
+                O = hybrid_newton_schulz(torch.cat([u for _, _, u in items]), dtype=self.ns_dtype)
+                for (i, j, u), o in zip(items, O.split([u.shape[0] for _, _, u in items])):
+                    out[i, j] = o
+            for i, (p, mats) in enumerate(todo):
+                n, m = mats[0].shape[-2:]
+                O = torch.cat([out[i, j].reshape(*p.shape[:-2], n, m) for j in range(len(mats))], dim=-2)
                 O = O * (math.sqrt(max(n, m)) * g["update_rms"])
                 p.mul_(1 - lr * wd)
                 p.add_(O.to(p.dtype), alpha=-lr)

@@ -58,6 +58,7 @@ class Recipe:
     dtype: str = "fp32"
     threads: int = 1
     save_interval: int = 0
+    backend: str = "naive"          # kernel backend of the model: naive | triton
 
 
 RECIPES = {
@@ -168,8 +169,14 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
 
     torch.manual_seed(seed)
     model = model_factory(cfg).to(device)
+    if recipe.backend != "naive":
+        if recipe.backend != "triton" or not hasattr(model, "set_kernel_backend"):
+            raise TrainError(f"train.backend: must be naive|triton, got {recipe.backend!r}")
+        model.set_kernel_backend(recipe.backend)
     model.train()
-    opt = build_optimizer(model, lr=recipe.lr, weight_decay=recipe.weight_decay)
+    # Newton–Schulz in bf16 for bf16 runs (spec §10.4: "Newton–Schulz can run in BF16"), fp32 otherwise
+    opt = build_optimizer(model, lr=recipe.lr, weight_decay=recipe.weight_decay,
+                          ns_dtype=torch.bfloat16 if recipe.dtype == "bf16" else torch.float32)
     params = [p for p in model.parameters() if p.requires_grad]
     fl = flops_per_token(cfg, recipe.seq_len)["total_training_flops_per_token"]
 
@@ -222,6 +229,9 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
         else:
             o = model(x, y)
         o.loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t_fb = time.perf_counter() - t0
         num_zeros = sum(int((p.grad == 0).sum()) if p.grad is not None else p.numel() for p in params)
         gnorm = float(torch.nn.utils.clip_grad_norm_(params, recipe.clip_grad))
         opt.step()
@@ -232,7 +242,8 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
         dt = time.perf_counter() - t0
         rec = {"step": step, "lr": lr, "total loss": float(o.loss.detach()), "grad-norm": gnorm,
                "num-zeros": float(num_zeros), "iteration-time": dt, "tokens-per-sec": tokens_per_step / dt,
-               "tflops": fl * tokens_per_step / dt / 1e12}
+               "tflops": fl * tokens_per_step / dt / 1e12, "fwd-bwd-time": t_fb,
+               "optimizer-time": dt - t_fb}
         rec.update({k: float(v) for k, v in o.losses.items()})
         if device.type == "cuda":
             ms = torch.cuda.memory_stats()
@@ -283,12 +294,13 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None)
 @click.option("--save-interval", type=int, default=None, help="checkpoint every K steps (0 = never)")
 @click.option("--threads", type=int, default=None, help="CPU threads (determinism needs a fixed count)")
+@click.option("--backend", type=click.Choice(["naive", "triton"]), default=None, help="model kernel backend")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON summary on stdout")
-def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, threads, as_json):
+def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, threads, backend, as_json):
     """Train a DSv4 model on one device (debug: seconds on CPU; tiny: the CPU loss-curve golden)."""
     r = RECIPES[recipe]
     kw = {k: v for k, v in dict(steps=steps, device=device, dtype=dtype, save_interval=save_interval,
-                                 threads=threads).items() if v is not None}
+                                 threads=threads, backend=backend).items() if v is not None}
     try:
         if steps is not None and steps < 1:
             raise TrainError(f"train.steps: must be >= 1, got {steps}")
