@@ -213,3 +213,29 @@ def test_schedule_is_megatron_interleaved():
     assert s[0] == [("F", mb, c) for mb, c in F0] + [("B", mb, c) for mb, c in B0]
     assert s[1] == [("F", mb, c + 1) for mb, c in F0] + [("B", mb, c + 1) for mb, c in B0]
     assert P.build_schedule(3, 1, 2)[2] == [("F", 0, 2), ("F", 1, 2), ("B", 0, 2), ("B", 1, 2)]
+
+
+def test_loopback_bf16_streams(setup):
+    """bf16 model: the streams cross in bf16; every gradient is bit-equal to the whole model's except the shared
+    embedding, whose contributions (chunk 0 and MTP, per micro-batch) are summed in another order in bf16:
+    there |diff| <= 2 bf16 ulps of the row's largest entry."""
+    cfg, sd, batches, _, _ = setup
+    whole, piped = DSv4Model(cfg), DSv4Model(cfg)
+    whole.load_state_dict(sd)
+    piped.load_state_dict(sd)
+    whole.to_bf16()
+    piped.to_bf16()
+    for ids, labels in batches:
+        (whole(ids, labels).loss / len(batches)).backward()
+    transport = P.LoopbackTransport((B, S, cfg.hc_mult, cfg.hidden_size), torch.bfloat16)
+    P.run_local(P.split_stages(piped, PAT_PP2), batches, 2, 1, transport)
+    assert all(s == (B, S, cfg.hc_mult, cfg.hidden_size) for _, s in transport.log)
+    for (n, a), (_, b) in zip(whole.named_parameters(), piped.named_parameters()):
+        assert (a.grad is None) == (b.grad is None), n
+        if a.grad is None:
+            continue
+        if n == "embed.weight":
+            ulp = a.grad.float().abs().amax(1, keepdim=True) * 2.0 ** -7                      # [V, 1]
+            assert ((a.grad.float() - b.grad.float()).abs() <= 2 * ulp).all(), n
+        else:
+            assert torch.equal(a.grad, b.grad), n
