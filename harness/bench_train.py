@@ -60,9 +60,11 @@ def time_steps(model, B, S, V, steps, warmup, device, is_hf: bool):
     g = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, V, (B, S), generator=g).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
+    # ours: the loss from row blocks of the head (no [B, S, V] logits kept; same loss), see DSv4Model.forward
+    kw = {"use_cache": False} if is_hf else {"return_logits": False}
 
     def step():
-        out = model(input_ids=ids, labels=ids, **({"use_cache": False} if is_hf else {}))
+        out = model(input_ids=ids, labels=ids, **kw)
         out.loss.backward()
         for p in params:
             p.grad = None
@@ -79,7 +81,8 @@ def time_steps(model, B, S, V, steps, warmup, device, is_hf: bool):
     return {"step_s": dt, "tokens_per_s": B * S / dt, "peak_mem_bytes": torch.cuda.max_memory_allocated()}
 
 
-def run(config: str, tokens: list[int], batch: int, steps: int, warmup: int, impls: list[str], backend: str) -> dict:
+def run(config: str, tokens: list[int], batch: int, steps: int, warmup: int, impls: list[str], backend: str,
+        recompute_from: int = 32768) -> dict:
     from dsv4.harness.flops import flops_per_token
     from dsv4.harness.goldens import provenance
     from dsv4.model.config import get_config
@@ -96,6 +99,9 @@ def run(config: str, tokens: list[int], batch: int, steps: int, warmup: int, imp
             try:
                 model = build_ours(cfg, backend, device) if impl == "ours" else \
                     build_hf(cfg, device, impl == "hf_compile")
+                if impl == "ours":
+                    rec["recompute"] = T >= recompute_from       # whole-block activation recompute
+                    model.set_recompute(rec["recompute"])
                 rec.update(time_steps(model, batch, S, cfg.vocab_size, steps, warmup, device, impl != "ours"))
                 f = flops_per_token(cfg, S)["total_training_flops_per_token"]
                 rec["model_tflops"] = f * rec["tokens_per_s"] / 1e12
@@ -122,6 +128,7 @@ def run(config: str, tokens: list[int], batch: int, steps: int, warmup: int, imp
             if o and p:
                 ratios[f"ours_over_{peer}@{T}"] = o / p
     return {"bench": "train", "config": config, "backend": backend, "steps": steps, "warmup": warmup,
+            "recompute_from_tokens": recompute_from,
             "results": results, "ratios": ratios, "provenance": provenance("h200", config=cfg.to_dict())}
 
 
@@ -133,11 +140,14 @@ def run(config: str, tokens: list[int], batch: int, steps: int, warmup: int, imp
 @click.option("--warmup", default=2, type=int)
 @click.option("--impls", default="ours,hf_eager,hf_compile")
 @click.option("--backend", default="triton", type=click.Choice(["naive", "triton"]))
+@click.option("--recompute-from", default=32768, type=int,
+              help="Ours: recompute block activations in backward from this many tokens per step on.")
 @click.option("--out", "out", default=None, type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True)
-def bench_train_cmd(config, tokens, batch, steps, warmup, impls, backend, out, as_json):
+def bench_train_cmd(config, tokens, batch, steps, warmup, impls, backend, recompute_from, out, as_json):
     """Training tokens/s, peak memory and MFU of ours vs Hugging Face DeepseekV4 (eager, compiled)."""
-    doc = run(config, [int(t) for t in tokens.split(",")], batch, steps, warmup, impls.split(","), backend)
+    doc = run(config, [int(t) for t in tokens.split(",")], batch, steps, warmup, impls.split(","), backend,
+              recompute_from)
     if out:
         from dsv4.harness.goldens import atomic_write_json
         atomic_write_json(out, doc)

@@ -124,7 +124,7 @@ class DSv4Attention(nn.Module):
             else:
                 cand = candidates_from_idx(sel, T)                              # [S, B, T]
             target = indexer_teacher(q, kv, comp, cand, self.attn_sink, self.window, self.scale,
-                                     self.cfg.indexer_teacher)
+                                     self.cfg.indexer_teacher, idx=use_sel)
             self.indexer_loss = self.cfg.indexer_loss_coeff * indexer_kl_loss(scores, target, cand)
 
         o = self.rope(o, positions, inverse=True)                              # rotate back by query position

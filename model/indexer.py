@@ -61,7 +61,8 @@ def candidates_from_idx(idx: torch.Tensor, T: int) -> torch.Tensor:
 
 @torch.no_grad()
 def indexer_teacher(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor, cand: torch.Tensor, sink: torch.Tensor,
-                    window: int, scale: float, teacher: str) -> torch.Tensor:
+                    window: int, scale: float, teacher: str, chunk: int = 512,
+                    idx: torch.Tensor | None = None) -> torch.Tensor:
     """Target distribution P [S,B,T] fp32 (rows sum to 1 where the row has candidates, 0 elsewhere). Detached.
 
     q [S,B,H,c], kv [S,B,c] (window keys, = values), comp [T,B,c], cand [S,B,T] bool, sink [H].
@@ -72,42 +73,100 @@ def indexer_teacher(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor, cand:
                       over j in the candidate set (heads with more compressed mass weigh more).
       "renormalized": p[t,h,j] = softmax over the candidate entries only of ℓ[t,h,:] (each head has unit mass,
                       window and sink ignored); P[t,j] = sum_h p[t,h,j] / H.
+    Computed over blocks of `chunk` queries (the window logits only over the keys a block can see), so the
+    memory is O(chunk * (T + chunk + window)) per (b, h), never [S, S] or [S, H, T]. With `idx` [S,B,k] (-1 =
+    none; then cand must be `candidates_from_idx(idx, T)`) the compressed logits are formed only at the k listed
+    entries (O(chunk * k) per (b, h)) and scattered into P: the same values.
     """
-    S, B, H, c = q.shape
-    dt = torch.promote_types(q.dtype, torch.float32)                                # fp32 (fp64 stays)
-    qf, compf = q.detach().to(dt), comp.detach().to(dt)
-    lc = torch.einsum("sbhc,tbc->sbht", qf, compf) * scale                          # [S, B, H, T]
-    lc = lc.masked_fill(~cand[:, :, None, :], float("-inf"))
-    if teacher == "joint":
-        t = torch.arange(S, device=q.device)
-        band = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - window)      # [S(query), S(key)]
-        lw = torch.einsum("sbhc,ubc->sbhu", qf, kv.detach().to(dt)) * scale        # [S, B, H, S]
-        lw = lw.masked_fill(~band[:, None, None, :], float("-inf"))
-        ls = sink.detach().to(dt).view(1, 1, H, 1).expand(S, B, H, 1)
-        lse = torch.logsumexp(torch.cat([lw, lc, ls], dim=-1), dim=-1, keepdim=True)   # [S, B, H, 1]
-        p = torch.exp(lc - lse)                                                      # 0 outside cand
-    elif teacher == "renormalized":
-        lse = torch.logsumexp(lc, dim=-1, keepdim=True)
-        p = torch.where(cand[:, :, None, :], torch.exp(lc - lse), torch.zeros_like(lc))
-    else:
+    if teacher not in ("joint", "renormalized"):
         raise ValueError(f"indexer_teacher: teacher must be joint|renormalized, got {teacher!r}")
-    P = p.sum(dim=2)                                                                 # [S, B, T]
+    S, B, H, c = q.shape
+    T = comp.shape[0]
+    dt = torch.promote_types(q.dtype, torch.float32)                                # fp32 (fp64 stays)
+    compf = comp.detach().to(dt)
+    P = torch.zeros(S, B, T, dtype=dt, device=q.device)
+    for a in range(0, S, chunk):
+        e = min(S, a + chunk)
+        qf = q[a:e].detach().to(dt)                                                  # [C, B, H, c]
+        if idx is None:
+            cc = cand[a:e]                                                           # [C, B, T]
+            lc = torch.einsum("sbhc,tbc->sbht", qf, compf) * scale                   # [C, B, H, T]
+        else:
+            cc = idx[a:e] >= 0                                                       # [C, B, k]
+            safe = idx[a:e].clamp_min(0)
+            g = compf.transpose(0, 1)[torch.arange(B, device=q.device)[None, :, None], safe]   # [C, B, k, c]
+            lc = torch.einsum("sbhc,sbkc->sbhk", qf, g) * scale                      # [C, B, H, k]
+        lc = lc.masked_fill(~cc[:, :, None, :], float("-inf"))
+        if teacher == "joint":
+            k0 = max(0, a - window + 1)                                              # first key block a can see
+            t = torch.arange(a, e, device=q.device)
+            s = torch.arange(k0, e, device=q.device)
+            band = (s[None, :] <= t[:, None]) & (s[None, :] > t[:, None] - window)   # [C(query), K(key)]
+            lw = torch.einsum("sbhc,ubc->sbhu", qf, kv[k0:e].detach().to(dt)) * scale   # [C, B, H, K]
+            lw = lw.masked_fill(~band[:, None, None, :], float("-inf"))
+            ls = sink.detach().to(dt).view(1, 1, H, 1).expand(e - a, B, H, 1)
+            lse = torch.logsumexp(torch.cat([lw, lc, ls], dim=-1), dim=-1, keepdim=True)   # [C, B, H, 1]
+            p = torch.exp(lc - lse)                                                  # 0 outside cand
+        else:
+            lse = torch.logsumexp(lc, dim=-1, keepdim=True)
+            p = torch.where(cc[:, :, None, :], torch.exp(lc - lse), torch.zeros_like(lc))
+        if idx is None:
+            P[a:e] = p.sum(dim=2)                                                    # [C, B, T]
+        else:
+            P[a:e].scatter_add_(-1, safe, p.sum(dim=2).masked_fill(~cc, 0.0))        # [C, B, k] -> [C, B, T]
     total = P.sum(dim=-1, keepdim=True)
     return torch.where(total > 0, P / total.clamp_min(torch.finfo(P.dtype).tiny), torch.zeros_like(P))
 
 
-def indexer_kl_loss(scores: torch.Tensor, target: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+class _CandidateKL(torch.autograd.Function):
+    """Mean over rows with >= 1 candidate of KL(target || softmax over the candidates of scores), computed over
+    row blocks; saves only the inputs and the per-row log-sum-exp (no [rows, T] temporaries kept)."""
+
+    @staticmethod
+    def forward(ctx, scores, target, cand, chunk):
+        T = scores.shape[-1]
+        dt = torch.promote_types(scores.dtype, torch.float32)
+        s2, t2, c2 = scores.flatten(0, -2), target.flatten(0, -2), cand.flatten(0, -2)
+        R = s2.shape[0]
+        n = c2.any(dim=-1).sum().to(dt)                                              # rows with a candidate
+        lse = torch.empty(R, dtype=dt, device=scores.device)
+        total = torch.zeros((), dtype=dt, device=scores.device)
+        for a in range(0, R, chunk):
+            c = c2[a:a + chunk]
+            s = s2[a:a + chunk].to(dt).masked_fill(~c, float("-inf"))
+            tg = t2[a:a + chunk].to(dt)
+            l = torch.logsumexp(s, dim=-1)                                           # -inf on rows without any
+            logq = (s - l[:, None]).masked_fill(~c, 0.0)
+            total += torch.where(c, torch.xlogy(tg, tg) - tg * logq, torch.zeros_like(logq)).sum()
+            lse[a:a + chunk] = l
+        ctx.save_for_backward(scores, target, cand, lse, n)
+        ctx.chunk = chunk
+        return total / n.clamp_min(1)
+
+    @staticmethod
+    def backward(ctx, g):
+        scores, target, cand, lse, n = ctx.saved_tensors
+        T = scores.shape[-1]
+        dt = lse.dtype
+        s2, t2, c2 = scores.flatten(0, -2), target.flatten(0, -2), cand.flatten(0, -2)
+        grad = torch.empty_like(s2)
+        coef = g.to(dt) / n.clamp_min(1)
+        for a in range(0, s2.shape[0], ctx.chunk):
+            c = c2[a:a + ctx.chunk]
+            tg = t2[a:a + ctx.chunk].to(dt).masked_fill(~c, 0.0)
+            qv = torch.exp(s2[a:a + ctx.chunk].to(dt) - lse[a:a + ctx.chunk, None])
+            d = torch.where(c, qv * tg.sum(-1, keepdim=True) - tg, torch.zeros_like(qv)) * coef
+            grad[a:a + ctx.chunk] = d.to(grad.dtype)
+        return grad.view_as(scores), None, None, None
+
+
+def indexer_kl_loss(scores: torch.Tensor, target: torch.Tensor, cand: torch.Tensor,
+                    chunk: int = 4096) -> torch.Tensor:
     """Mean over queries with >= 1 candidate of KL(target[t] || softmax over the candidates of scores[t]).
 
     scores [S,B,T] (the indexer's I, differentiable), target [S,B,T] (detached, 0 outside cand), cand [S,B,T].
     Queries without any candidate (t < m-1) are left out of the mean; returns 0 (with a graph) if none has one.
+    Gradient (per row with candidates, N of them): (softmax_cand(scores) * sum(target) - target) / N on the
+    candidates, 0 elsewhere. No host synchronisation.
     """
-    valid = cand.any(dim=-1)                                                         # [S, B]
-    if not bool(valid.any()):
-        return scores.float().masked_fill(~cand, 0.0).sum() * 0.0
-    dt = torch.promote_types(scores.dtype, torch.float32)
-    c, tgt = cand[valid], target[valid].to(dt)                                       # [N, T]
-    logq = torch.log_softmax(scores.to(dt)[valid].masked_fill(~c, float("-inf")), dim=-1)
-    logq = logq.masked_fill(~c, 0.0)
-    kl = torch.where(c, torch.xlogy(tgt, tgt) - tgt * logq, torch.zeros_like(logq)).sum(-1)   # [N]
-    return kl.mean()
+    return _CandidateKL.apply(scores, target.detach(), cand, chunk)

@@ -29,13 +29,14 @@ from dsv4.model.moe import Gate, MoE
 from dsv4.model.mtp import MTPBlock
 from dsv4.model.norm import RMSNorm
 from dsv4.model.precision import cast_model
+from dsv4.model.recompute import checkpoint_block
 
 IGNORE = -100
 
 
 @dataclass
 class DSv4Output:
-    logits: torch.Tensor                         # [B, S, V]
+    logits: torch.Tensor | None                  # [B, S, V] (None when forward(..., return_logits=False))
     mtp_logits: torch.Tensor | None = None       # [B, S, V] (position t predicts token t+2)
     loss: torch.Tensor | None = None             # scalar, with graph
     losses: dict = field(default_factory=dict)   # Megatron metric name -> detached scalar
@@ -59,37 +60,54 @@ class DSv4Model(nn.Module):
         self.mtp = nn.ModuleList([MTPBlock(cfg, cfg.num_hidden_layers + k)
                                   for k in range(cfg.num_nextn_predict_layers)])
         self.backend = "naive"
+        self.recompute = False
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> DSv4Output:
-        """input_ids [B, S] (int), labels [B, S] or None -> DSv4Output."""
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                return_logits: bool = True) -> DSv4Output:
+        """input_ids [B, S] (int), labels [B, S] or None -> DSv4Output.
+
+        return_logits=False (needs labels): the LM and MTP cross-entropies are computed by `head_cross_entropy`
+        over row blocks, never holding the [B, S, V] logits (same loss; `logits`/`mtp_logits` are None)."""
+        if not return_logits and labels is None:
+            raise ValueError("DSv4Model.forward: return_logits=False needs labels")
         B, S = input_ids.shape
         cfg = self.cfg
         positions = torch.arange(S, device=input_ids.device)
         e = self.embed(input_ids)                                               # [B, S, d]
         X = expand_streams(e, cfg.hc_mult)                                      # [B, S, n, d]
+        ckpt = self.recompute and torch.is_grad_enabled()
         for layer in self.layers:
-            X = layer(X, input_ids, positions)
+            X = checkpoint_block(layer, X, input_ids, positions) if ckpt else layer(X, input_ids, positions)
         y = self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg, self.backend))
-        logits = self.head(y)                                                   # [B, S, V]
 
-        mtp_logits = None
+        y_mtp = None
         if len(self.mtp):
             ids_next = F.pad(input_ids[:, 1:], (0, 1), value=0)                 # [B, S]: token t+1
-            mtp_logits = self.head(self.mtp[0](X, self.embed(ids_next), ids_next, positions))
+            e_next = self.embed(ids_next)
+            y_mtp = checkpoint_block(self.mtp[0], X, e_next, ids_next, positions) if ckpt else \
+                self.mtp[0](X, e_next, ids_next, positions)                     # [B, S, d]
 
-        out = DSv4Output(logits=logits, mtp_logits=mtp_logits)
+        if return_logits:
+            out = DSv4Output(logits=self.head(y), mtp_logits=None if y_mtp is None else self.head(y_mtp))
+        else:
+            out = DSv4Output(logits=None)
         if labels is not None:
-            out.loss, out.losses = self._losses(logits, mtp_logits, labels)
+            out.loss, out.losses = self._losses(out.logits, out.mtp_logits, labels, y, y_mtp)
         return out
 
-    def _losses(self, logits, mtp_logits, labels):
-        V = self.cfg.vocab_size
-        lm = F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE)
+    def _ce(self, logits, y, labels):
+        if logits is not None:
+            V = self.cfg.vocab_size
+            return F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE)
+        return head_cross_entropy(y.reshape(-1, y.shape[-1]), self.head.weight, labels.reshape(-1))
+
+    def _losses(self, logits, mtp_logits, labels, y=None, y_mtp=None):
+        lm = self._ce(logits, y, labels)
         loss, losses = lm, {"lm loss": lm.detach()}
-        if mtp_logits is not None:
+        if mtp_logits is not None or y_mtp is not None:
             mtp_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE)            # target of t is labels[t+1]
-            mtp = F.cross_entropy(mtp_logits.float().reshape(-1, V), mtp_labels.reshape(-1), ignore_index=IGNORE)
+            mtp = self._ce(mtp_logits, y_mtp, mtp_labels)
             loss = loss + self.cfg.mtp_loss_scaling_factor * mtp
             losses["mtp_1 loss"] = mtp.detach()
         idx_loss = [a.indexer_loss for a in self._attns() if getattr(a, "indexer_loss", None) is not None]
@@ -119,6 +137,12 @@ class DSv4Model(nn.Module):
                 m.backend = backend
         return self
 
+    def set_recompute(self, on: bool = True) -> "DSv4Model":
+        """Recompute every block's (and the MTP block's) activations in backward (model/recompute.py): keeps
+        only the streams between blocks, for long sequences on one GPU. Same math and gradients."""
+        self.recompute = bool(on)
+        return self
+
     def set_recompute_mhc(self, on: bool = True) -> "DSv4Model":
         for b in list(self.layers) + list(self.mtp):
             b.recompute_mhc = on
@@ -144,6 +168,55 @@ class DSv4Model(nn.Module):
 
     def float(self):
         return cast_model(self, torch.float32)
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    """mean over non-ignored rows of CE(y @ W^T, labels), the logits formed in W's dtype and upcast to fp32 as
+    `F.cross_entropy(head(y).float(), labels)` does, over blocks of `chunk` rows; backward recomputes each
+    block's logits, so only y, W, labels and the per-row log-sum-exp are kept."""
+
+    @staticmethod
+    def forward(ctx, y, weight, labels, chunk):
+        N = y.shape[0]
+        dt = torch.promote_types(y.dtype, torch.float32)                       # fp32 (fp64 stays fp64)
+        valid = labels != IGNORE
+        n = valid.sum()
+        lse = torch.empty(N, dtype=dt, device=y.device)
+        total = torch.zeros((), dtype=dt, device=y.device)
+        safe = torch.where(valid, labels, torch.zeros_like(labels))
+        for a in range(0, N, chunk):
+            lf = F.linear(y[a:a + chunk], weight).to(dt)                      # [C, V] fp32
+            l = torch.logsumexp(lf, dim=-1)
+            tgt = lf.gather(1, safe[a:a + chunk, None]).squeeze(1)
+            total += torch.where(valid[a:a + chunk], l - tgt, torch.zeros_like(l)).sum()
+            lse[a:a + chunk] = l
+        ctx.save_for_backward(y, weight, safe, valid, lse, n)
+        ctx.chunk = chunk
+        return total / n                                                       # nan if every label is ignored
+
+    @staticmethod
+    def backward(ctx, g):
+        y, weight, safe, valid, lse, n = ctx.saved_tensors
+        dy = torch.empty_like(y)
+        dt = lse.dtype
+        dw = torch.zeros(weight.shape, dtype=dt, device=weight.device)
+        coef = g.to(dt) / n
+        for a in range(0, y.shape[0], ctx.chunk):
+            yc = y[a:a + ctx.chunk]
+            p = torch.exp(F.linear(yc, weight).to(dt) - lse[a:a + ctx.chunk, None])    # softmax [C, V]
+            p.scatter_add_(1, safe[a:a + ctx.chunk, None], torch.full_like(p[:, :1], -1.0))
+            p *= (valid[a:a + ctx.chunk, None] * coef)
+            gl = p.to(y.dtype)                                                 # dlogits in the logits' dtype
+            dy[a:a + ctx.chunk] = gl @ weight
+            dw += (gl.t() @ yc).to(dt)
+        return dy, dw.to(weight.dtype), None, None
+
+
+def head_cross_entropy(y: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                       chunk: int = 8192) -> torch.Tensor:
+    """y [N, d], weight [V, d], labels [N] (IGNORE = -100) -> mean CE of the logits y @ weight^T (fp32 softmax),
+    never materialising [N, V]: the memory of one block of `chunk` rows."""
+    return _HeadCrossEntropy.apply(y, weight, labels, chunk)
 
 
 def build_model(cfg: DSv4Config | str, device: str | torch.device | None = None, **overrides) -> DSv4Model:

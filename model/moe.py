@@ -28,6 +28,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.kernels.swiglu import clamped_swiglu
+from dsv4.model.recompute import recomputing
+
+_GROUPED_OK: dict[str, bool] = {}
+
+
+def grouped_mm_ok(device: torch.device) -> bool:
+    """Whether torch._grouped_mm runs (forward and backward, bf16, an empty group included) on this CUDA
+    device; checked once per device, False on CPU (the per-expert loop is used there)."""
+    key = str(device)
+    if key not in _GROUPED_OK:
+        ok = False
+        if device.type == "cuda" and hasattr(torch, "_grouped_mm"):
+            try:
+                x = torch.randn(64, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+                w = torch.randn(4, 48, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+                offs = torch.tensor([16, 16, 48, 64], device=device, dtype=torch.int32)
+                y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)              # [64, 48]
+                ref = torch.cat([x[:16] @ w[0].T, x[16:48] @ w[2].T, x[48:] @ w[3].T])
+                y.float().pow(2).sum().backward()
+                gw = torch.zeros_like(w)
+                for e, (a, b) in enumerate([(0, 16), (16, 16), (16, 48), (48, 64)]):
+                    gw[e] = (2 * ref[a:b].float()).T.to(torch.bfloat16) @ x[a:b].detach()
+                ok = bool(torch.allclose(y.float(), ref.float(), atol=0.1, rtol=0.02)) and \
+                    bool(torch.allclose(w.grad.float(), gw.float(), atol=1.0, rtol=0.05))
+            except Exception:  # noqa: BLE001 - any failure means: use the loop
+                ok = False
+        _GROUPED_OK[key] = ok
+    return _GROUPED_OK[key]
 
 
 def hash_table(cfg) -> torch.Tensor:
@@ -67,7 +95,7 @@ class Gate(nn.Module):
             idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :self.topk]   # [T, K]
         w = scores.gather(1, idx)
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.cfg.routed_scaling_factor
-        if self.training:
+        if self.training and not recomputing():         # counted once per step, not again in a recompute
             with torch.no_grad():
                 self.tokens_per_expert += torch.bincount(idx.reshape(-1), minlength=self.n_experts)
         return w, idx, scores
@@ -96,9 +124,18 @@ class Experts(nn.Module):
         """x [T, d], w [T, K], idx [T, K] -> [T, d] = sum_k w_k Expert_{idx_k}(x) (accumulated in fp32)."""
         out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
         order = torch.argsort(idx.reshape(-1), stable=True)                    # token-slots grouped by expert
-        counts = torch.bincount(idx.reshape(-1), minlength=self.w13.shape[0]).tolist()
         tok = order // idx.shape[1]                                            # [T*K] token of each slot
         wk = w.reshape(-1)[order]                                              # [T*K] its routing weight
+        if x.dtype == torch.bfloat16 and self.w13.dtype == torch.bfloat16 and grouped_mm_ok(x.device):
+            # one grouped GEMM per projection over the expert-sorted slots; no host sync
+            counts = torch.bincount(idx.reshape(-1), minlength=self.w13.shape[0])
+            offs = torch.cumsum(counts, 0).to(torch.int32)                     # [E] end of each group
+            xs = x[tok]                                                        # [T*K, d]
+            gate, up = torch._grouped_mm(xs, self.w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+            h = clamped_swiglu(gate, up, self.limit, backend=self.backend)     # [T*K, f]
+            y = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)     # [T*K, d]
+            return out.index_add_(0, tok, y.to(out.dtype) * wk[:, None].to(out.dtype)).to(x.dtype)
+        counts = torch.bincount(idx.reshape(-1), minlength=self.w13.shape[0]).tolist()
         start = 0
         for e, c in enumerate(counts):
             if c == 0:
