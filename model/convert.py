@@ -95,6 +95,7 @@ def hf_to_ours_name(name: str) -> str:
 
 
 _EXPERT = re.compile(r"^(.*ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+_MTP_SHARED = re.compile(r"^mtp\.\d+\.(emb(\..*)?|head\.weight)$")
 
 
 def ours_to_official(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -121,6 +122,8 @@ def official_to_ours(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Stack `ffn.experts.{e}.w*` into w13 / w2 (experts must be 0..E-1, all three present)."""
     out, experts = {}, {}
     for k, v in sd.items():
+        if _MTP_SHARED.match(k):            # hub duplicates of the shared embedding / head under mtp.*: skipped
+            continue
         if k.endswith(".scale") and not re.search(r"hc_(attn|ffn|head)_scale$", k):
             raise CheckpointError(f"quantised tensor {k}: dequantise the checkpoint to bf16/fp32 first")
         m = _EXPERT.match(k)
@@ -204,7 +207,10 @@ def config_from_hf(d: dict, **overrides) -> DSv4Config:
     else:
         raise ConfigError("config.json: needs layer_types or compress_ratios (HF's default matches no model)")
     n_mtp = d.get("num_nextn_predict_layers", 1)
-    mtp_ratios = extra.get("compress_ratios", [0] * (L + n_mtp))[L:L + n_mtp]
+    if extra.get("compress_ratios"):
+        mtp_ratios = extra["compress_ratios"][L:L + n_mtp]
+    else:                                   # hub config.json: compress_ratios has L + n_mtp type labels
+        mtp_ratios = [{0: 0, 4: csa, 128: hca}[x] for x in (d.get("compress_ratios") or [])[L:L + n_mtp]]
     ratios = ratios + list(mtp_ratios) + [0] * (n_mtp - len(mtp_ratios))
     mlp = d.get("mlp_layer_types")
     n_hash = d.get("num_hash_layers", 3)

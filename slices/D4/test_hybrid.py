@@ -82,3 +82,22 @@ def test_pattern_model_with_dense_layers_runs_and_counts():
     ids = torch.randint(0, cfg.vocab_size, (1, 23))
     out = m(ids, labels=ids)
     assert out.logits.shape == (1, 23, cfg.vocab_size) and torch.isfinite(out.loss)
+
+
+def test_hub_style_config_json_gives_flash():
+    """A DeepSeek-V4-Flash hub-style config.json (legacy compress_ratios incl. the MTP entry, flat rope_scaling,
+    num_hash_layers) maps to exactly our `flash` config; HF-style config_to_hf -> config_from_hf is identity."""
+    from dsv4.model.convert import config_from_hf, config_to_hf
+    hub = dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64, head_dim=512,
+               qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, sliding_window=128,
+               compress_ratios=[0, 0] + [4, 128] * 20 + [4] + [0], index_n_heads=64, index_head_dim=128,
+               index_topk=512, n_routed_experts=256, num_experts_per_tok=6, moe_intermediate_size=2048,
+               num_hash_layers=3, compress_rope_theta=160000, num_nextn_predict_layers=1,
+               rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                             "beta_fast": 32, "beta_slow": 1})
+    assert config_from_hf(hub) == get_config("flash")
+    for name in ("debug", "pro"):
+        cfg = get_config(name)
+        d = config_to_hf(cfg)
+        d.pop("dsv4_config")
+        assert config_from_hf(d, hash_seed=cfg.hash_seed) == cfg, name
