@@ -212,6 +212,11 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
     tokens_per_step = recipe.batch_size * recipe.seq_len
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if recipe.dtype == "bf16" else None
     ckpt_dir = os.path.join(out, "checkpoints")
+    # MoE routing statistics (tokens per expert per layer, read before the bias update resets the counts);
+    # written as <out>/routing_stats.json in the format `dsv4 flops --routing-stats` reads
+    gates = {n.removesuffix(".ffn.gate").removeprefix("layers."): m for n, m in model.named_modules()
+             if hasattr(m, "tokens_per_expert") and hasattr(m, "update_expert_bias")}
+    routing: dict = {}
     metrics_f = open(os.path.join(out, "metrics.jsonl"), "a" if resume else "w")
     for step in range(step0 + 1, recipe.steps + 1):
         if device.type == "cuda":
@@ -235,6 +240,9 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
         num_zeros = sum(int((p.grad == 0).sum()) if p.grad is not None else p.numel() for p in params)
         gnorm = float(torch.nn.utils.clip_grad_norm_(params, recipe.clip_grad))
         opt.step()
+        step_loads = {k: g.tokens_per_expert.detach().cpu().tolist() for k, g in gates.items()}
+        for k, v in step_loads.items():
+            routing[k] = [a + b for a, b in zip(routing.get(k, [0] * len(v)), v)]
         if hasattr(model, "update_expert_bias"):
             model.update_expert_bias()
         if device.type == "cuda":
@@ -245,6 +253,9 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
                "tflops": fl * tokens_per_step / dt / 1e12, "fwd-bwd-time": t_fb,
                "optimizer-time": dt - t_fb}
         rec.update({k: float(v) for k, v in o.losses.items()})
+        imb = [max(v) * len(v) / sum(v) for v in step_loads.values() if sum(v)]
+        if imb:
+            rec["moe-max-over-mean"] = max(imb)                                # busiest expert / mean, worst layer
         if device.type == "cuda":
             ms = torch.cuda.memory_stats()
             rec["mem-allocated-bytes"] = float(ms["allocated_bytes.all.current"])
@@ -269,6 +280,8 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
         ckpt.save_checkpoint(ckpt_dir, recipe.steps, model, opt.state_dict(),
                              {"history": history, "consumed_samples": recipe.steps * recipe.batch_size,
                               "seed": seed, "config_hash": config_hash(cfg), "recipe": asdict(recipe)})
+    _atomic_json(os.path.join(out, "routing_stats.json"),
+                 {"layers": routing, "steps": recipe.steps - step0, "start_step": step0 + 1})
     gv = golden_values(history)
     _atomic_json(os.path.join(out, "golden_values.json"), gv)
     lm = [h["lm loss"] for h in history]
