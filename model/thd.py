@@ -5,6 +5,8 @@ Megatron's `PackedSeqParams` describe a packed batch `[1, T]` with
   cu_seqlens_padded [n_docs+1]  cumulative PADDED lengths = the offsets of the documents in the stream
                                 (document i occupies tokens cu_padded[i] .. cu_padded[i] + len_i - 1; the rest
                                 of its padded slot is padding). Without it, the documents are back to back.
+                                [n_docs+2]: a trailing dummy sequence of padding (harness/packing.py's
+                                `append_dummy_seq` tail policy, Megatron's thd_tail_padding_policy).
 We turn them into two per-token integer vectors, the only metadata the THD kernels below need:
   seg [T]  document id of the token, -1 for padding,
   pos [T]  position of the token inside its document (0 for padding).
@@ -64,15 +66,21 @@ def seg_pos_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None,
         starts = cu_seqlens[:-1]
         end = int(cu_seqlens[-1])
     else:
+        cu_seqlens_padded_in = cu_seqlens_padded
         cu_seqlens_padded = torch.as_tensor(cu_seqlens_padded, dtype=torch.long)
         _check_cu("cu_seqlens_padded", cu_seqlens_padded)
-        if cu_seqlens_padded.numel() != cu_seqlens.numel():
+        if cu_seqlens_padded.numel() == cu_seqlens.numel() + 1:
+            cu_seqlens_padded = cu_seqlens_padded[:-1]                     # a trailing dummy sequence of pad
+            end_all = int(torch.as_tensor(cu_seqlens_padded_in)[-1])      # tokens (`append_dummy_seq`)
+        elif cu_seqlens_padded.numel() != cu_seqlens.numel():
             raise THDError(f"cu_seqlens_padded: has {cu_seqlens_padded.numel()} entries, cu_seqlens "
-                           f"{cu_seqlens.numel()}")
+                           f"{cu_seqlens.numel()} (or one more: a trailing dummy sequence)")
+        else:
+            end_all = None
         if bool(((cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]) < lens).any()):
             raise THDError("cu_seqlens_padded: a padded length is shorter than its real length")
         starts = cu_seqlens_padded[:-1]
-        end = int(cu_seqlens_padded[-1])
+        end = int(cu_seqlens_padded[-1]) if end_all is None else end_all
     T = end if total is None else int(total)
     if T < end:
         raise THDError(f"total: {T} tokens is shorter than the packed documents ({end})")

@@ -86,3 +86,27 @@ def test_packed_model_equals_separate(padded):
     print(f"padded={padded}: logits {e_logit:.2e}, mtp logits {e_mtp:.2e}, loss "
           f"{abs(out.loss.item() - loss_ref.item()):.2e}, grads (rel) {e_grad:.2e}, |logit| max "
           f"{out.logits.abs().max().item():.2f}")
+
+
+@pytest.mark.parametrize("tail", ["extend_last", "append_dummy_seq"])
+def test_harness_packing_output_runs_packed(tail):
+    """The micro-batches of harness/packing.py (P7: aligned padding, both tail policies) fed as they are:
+    logits / MTP logits of every packed sequence == that sequence alone; labels from `materialize`."""
+    from dsv4.harness.packing import materialize, schedule
+    model = _model()
+    g = torch.Generator().manual_seed(4)
+    lengths = [6, 21, 3, 11]
+    docs = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    mb = schedule(lengths, dp_size=1, tokens_per_rank=48, align=4, tail=tail)[0][0]
+    batch = materialize(mb, docs)
+    ids = torch.as_tensor(batch["tokens"])[None]
+    labels = torch.as_tensor(batch["labels"])[None]
+    with torch.no_grad():
+        out = thd.packed_model_forward(model, ids, labels, batch["cu_seqlens"], batch["cu_seqlens_padded"])
+        cup = batch["cu_seqlens_padded"]
+        for i, s in enumerate(mb.segments):
+            o = int(cup[i])
+            ref = model(ids[:, o:o + s.length])
+            assert (ref.logits[0] - out.logits[0, o:o + s.length]).abs().max() <= TOL
+            assert (ref.mtp_logits[0] - out.mtp_logits[0, o:o + s.length]).abs().max() <= TOL
+    assert torch.isfinite(out.loss)
