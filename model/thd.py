@@ -232,6 +232,38 @@ def sparse_attn_thd(q: torch.Tensor, kv: torch.Tensor, q_index: torch.Tensor,
     return o.to(q.dtype)
 
 
+@torch.no_grad()
+def indexer_teacher_thd(q: torch.Tensor, kv: torch.Tensor, q_index: torch.Tensor, seg_k: torch.Tensor,
+                        pos_k: torch.Tensor, seg_q: torch.Tensor, pos_q: torch.Tensor, comp: torch.Tensor,
+                        cand: torch.Tensor, sink: torch.Tensor, window: int, scale: float,
+                        teacher: str) -> torch.Tensor:
+    """Target P [Tq, N] of the indexer KL loss (spec §10.3; same definition as model/indexer.py's
+    `indexer_teacher`), packed: the window part of the "joint" denominator uses only keys of the query's own
+    document (same masks as `sparse_attn_thd`); cand [Tq, N] bool = the candidate entries. Detached."""
+    Tq, H, c = q.shape
+    qf = _acc(q.detach())
+    lc = torch.einsum("thc,nc->thn", qf, _acc(comp.detach())) * scale             # [Tq, H, N]
+    lc = lc.masked_fill(~cand[:, None, :], float("-inf"))
+    if teacher == "joint":
+        widx = q_index[:, None] + torch.arange(-(window - 1), 1, device=q.device)  # [Tq, W]
+        wc = widx.clamp(min=0)
+        wvalid = (widx >= 0) & (seg_k[wc] == seg_q[:, None]) & (seg_q[:, None] >= 0) \
+            & (pos_k[wc] <= pos_q[:, None]) & (pos_k[wc] > (pos_q - window)[:, None])
+        lw = torch.einsum("thc,twc->thw", qf, _acc(kv.detach()[wc])) * scale      # [Tq, H, W]
+        lw = lw.masked_fill(~wvalid[:, None, :], float("-inf"))
+        ls = _acc(sink.detach()).view(1, H, 1).expand(Tq, H, 1)
+        lse = torch.logsumexp(torch.cat([lw, lc, ls], dim=-1), dim=-1, keepdim=True)   # [Tq, H, 1]
+        p = torch.exp(lc - lse)
+    elif teacher == "renormalized":
+        lse = torch.logsumexp(lc, dim=-1, keepdim=True)
+        p = torch.where(cand[:, None, :], torch.exp(lc - lse), torch.zeros_like(lc))
+    else:
+        raise THDError(f"indexer_teacher: must be joint|renormalized, got {teacher!r}")
+    P = p.sum(dim=1)                                                                # [Tq, N]
+    total = P.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, P / total.clamp_min(torch.finfo(P.dtype).tiny), torch.zeros_like(P))
+
+
 # ---------------------------------------------------------------------------------------------- orchestration (D6)
 
 
@@ -290,8 +322,23 @@ def attention_on_layout(attn, x: torch.Tensor, seg: torch.Tensor, pos: torch.Ten
         attn.last_entries = (iseg, ij)                                          # to map idx -> (doc, j)
         if attn.training and attn.cfg.indexer_loss_mode == "dense":
             idx = None                                                          # warm-up: all entries
-    o = sparse_attn_thd(q, kv, torch.arange(Tl, device=x.device) + halo, seg, pos, seg_l, pos_l,
+    q_index = torch.arange(Tl, device=x.device) + halo
+    o = sparse_attn_thd(q, kv, q_index, seg, pos, seg_l, pos_l,
                         comp, idx, eseg, ej, attn.attn_sink, attn.window, attn.ratio or 1, attn.scale)
+    cfg = attn.cfg
+    if attn.indexer is not None and attn.training and cfg.indexer_loss_mode != "off" and cfg.indexer_loss_coeff:
+        from .indexer import indexer_kl_loss
+        N = comp.shape[0]
+        if idx is None:                                                         # dense: all visible entries
+            cand = causal_entry_mask(seg_l, pos_l, eseg, ej, attn.ratio)
+        else:                                                                   # sparse: the selected ones
+            cand = torch.zeros(Tl, N + 1, dtype=torch.bool, device=x.device)
+            cand.scatter_(1, torch.where(idx < 0, torch.full_like(idx, N), idx), True)
+            cand = cand[:, :N]
+        target = indexer_teacher_thd(q, kv, q_index, seg, pos, seg_l, pos_l, comp, cand, attn.attn_sink,
+                                     attn.window, attn.scale, cfg.indexer_teacher)
+        attn.indexer_loss = cfg.indexer_loss_coeff * indexer_kl_loss(scores[:, None], target[:, None],
+                                                                     cand[:, None])   # [Tq, 1, N] = SBT
     o = attn.rope(o, pos_l, inverse=True)                                       # back by the query position
     o = o.reshape(Tl, g, H * c // g)                                            # group i = heads i*H/g..
     wo_a = attn.wo_a.weight.view(g, -1, H * c // g)                             # [g, d_g, H*c/g]
@@ -304,7 +351,8 @@ def thd_attention_forward(attn, h: torch.Tensor, cu_seqlens: torch.Tensor,
     """Packed DSv4 attention: h [1, T, d] (THD as B = 1) with cu_seqlens (+ padded offsets) -> [1, T, d].
 
     Each document's output equals DSv4Attention.forward on that document alone (positions 0..L-1); padding
-    rows attend only the sink (output = wo_b(wo_a(0)) = 0). The indexer loss is not computed on this path.
+    rows attend only the sink (output = wo_b(wo_a(0)) = 0). In training mode the indexer KL loss is the mean
+    over all packed queries that have a candidate (= the per-document losses weighted by those counts).
     """
     if h.dim() != 3 or h.shape[0] != 1:
         raise THDError(f"h: packed input must be [1, T, d], got {tuple(h.shape)}")
@@ -356,7 +404,9 @@ def packed_model_forward(model, input_ids: torch.Tensor, labels: torch.Tensor | 
     """DSv4Model on packed input_ids [1, T] (+ labels [1, T], already shifted inside each document, -100 =
     ignored) -> the model's output; logits / mtp_logits of every document equal running it alone. The loss:
     lm CE over labels + mtp_loss_scaling_factor * CE over the labels rolled once inside each document
-    (model/mtp_roll.py; a document's last token has no MTP target) + the model's auxiliary losses."""
+    (model/mtp_roll.py; a document's last token has no MTP target) + the indexer KL losses (training) + the
+    MoE auxiliary losses (NOTE: the sequence-wise balance loss of model/moe.py sees the packed row as ONE
+    sequence, not per document)."""
     import torch.nn.functional as F
     from .mtp_roll import IGNORE, mtp_inputs
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -375,6 +425,10 @@ def packed_model_forward(model, input_ids: torch.Tensor, labels: torch.Tensor | 
         mtp = F.cross_entropy(out.mtp_logits.float().reshape(-1, V), mtp_labels.reshape(-1), ignore_index=IGNORE)
         loss = loss + model.cfg.mtp_loss_scaling_factor * mtp
         losses["mtp_1 loss"] = mtp.detach()
+    idx_loss = [m.indexer_loss for m in model.modules() if getattr(m, "indexer_loss", None) is not None]
+    if idx_loss:
+        il = torch.stack([t.float() for t in idx_loss]).sum()
+        loss, losses["indexer loss"] = loss + il, il.detach()
     aux = [m.aux_loss for m in model.modules() if getattr(m, "aux_loss", None) is not None]
     if aux:
         al = torch.stack([t.float() for t in aux]).sum()

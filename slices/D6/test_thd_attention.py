@@ -80,3 +80,35 @@ def test_packed_attention_equals_separate(layer, padded):
         assert (a - b).abs().max().item() <= TOL * max(1.0, b.abs().max().item()), name
     if attn.kind == "csa":
         assert n_sel > 0
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_packed_indexer_loss_equals_separate(mode):
+    """Training mode, CSA layer: the packed indexer KL loss == the per-document losses weighted by their
+    number of queries with a candidate; indexer parameter gradients equal (the LM path never reaches them)."""
+    cfg = get_config("debug", indexer_loss_mode=mode)
+    torch.manual_seed(0)
+    attn = DSv4Attention(cfg, 1).train()
+    _randomize(attn)
+    cu, cup, T = _cu(True)
+    h = torch.randn(1, T, cfg.hidden_size)
+    seg, _ = thd.seg_pos_from_cu_seqlens(cu, T, cup)
+    iparams = list(attn.indexer.parameters())
+    thd.thd_attention_forward(attn, h, cu, cup)
+    loss = attn.indexer_loss
+    g_packed = torch.autograd.grad(loss, iparams)
+    num, den = 0.0, 0
+    m = cfg.csa_ratio
+    for d, L in enumerate(LENS):
+        rows = torch.nonzero(seg == d).flatten()
+        attn(h[:, rows])
+        n_q = max(0, L - m + 1)                                                 # queries with >= 1 entry
+        if n_q:
+            num = num + attn.indexer_loss * n_q
+            den += n_q
+    ref = num / den
+    g_ref = torch.autograd.grad(ref, iparams)
+    assert abs(loss.item() - ref.item()) <= TOL * max(1.0, abs(ref.item())), (loss.item(), ref.item())
+    for a, b in zip(g_packed, g_ref):
+        assert (a - b).abs().max().item() <= TOL * max(1.0, b.abs().max().item())
+    assert loss.item() > 0
