@@ -85,7 +85,8 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None):
         """x [T, d] -> (weights [T, K] fp32, idx [T, K] int64, scores [T, E] fp32)."""
         dt = torch.promote_types(x.dtype, torch.float32)                              # fp32 (fp64 stays fp64)
-        scores = torch.sqrt(F.softplus(F.linear(x.to(dt), self.weight.to(dt))))      # [T, E]
+        with torch.autocast(device_type=x.device.type, enabled=False):                # router in fp32 (official)
+            scores = torch.sqrt(F.softplus(F.linear(x.to(dt), self.weight.to(dt))))  # [T, E]
         if self.hash:
             if input_ids is None:
                 raise ValueError("Gate: hash-routed layer needs input_ids")

@@ -1,7 +1,7 @@
 """mHC -- manifold-constrained hyper-connections (spec §4), the reference implementation.
 
 Plain PyTorch, differentiable by autograd, all arithmetic in fp32 (results cast back to the input dtype
-only where an activation leaves mHC (fp64 inputs are computed in fp64, for gradcheck): `u` of `hc_pre`, the new streams of `hc_post`, `y` of `hc_head`).
+only where an activation leaves mHC; autocast is disabled inside (fp64 inputs are computed in fp64, for gradcheck): `u` of `hc_pre`, the new streams of `hc_post`, `y` of `hc_head`).
 
 Shapes (N = tokens, n = streams n_hc, d = hidden):
     x    [N, n, d]   the residual streams of N tokens
@@ -15,7 +15,18 @@ The streams are consumed TRANSPOSED: X'[k] = post[k] * out + sum_j comb[j, k] X[
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+
+
+def _fp32_region(fn):
+    """Run `fn` with autocast disabled: under torch.autocast(bf16) the projections stay fp32 (spec §4.2)."""
+    @functools.wraps(fn)
+    def wrapper(x, *args, **kwargs):
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return fn(x, *args, **kwargs)
+    return wrapper
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -23,6 +34,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float64 else t.float()
 
 
+@_fp32_region
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """[N, n, n] comb logits -> [N, n, n] (approximately) doubly stochastic comb, fp32 (spec §4.2)."""
     c = torch.softmax(_f32(logits), dim=-1) + eps                  # softmax over k, then + eps
@@ -40,6 +52,7 @@ def _mix(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     return xf @ _f32(fn).t()                                       # [N, rows]
 
 
+@_fp32_region
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
            eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC weights and the collapsed sublayer input (spec §4.2).
@@ -57,6 +70,7 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     return u.to(x.dtype), post, comb
 
 
+@_fp32_region
 def hc_post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New streams X'[k] = post[k] * out + sum_j comb[j, k] X[j]; [N, n, d] in x's dtype (fp32 math)."""
     mixed = torch.einsum("njk,njd->nkd", _f32(comb), _f32(x))    # comb^T X: [N, n(k), d]
@@ -64,6 +78,7 @@ def hc_post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.
     return y.to(x.dtype)
 
 
+@_fp32_region
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
             norm_eps: float) -> torch.Tensor:
     """HyperHead collapse (spec §4.3): fn [n, n*d], base [n], scale [1]; y [N, d] = sum_j pre[j] X[j]."""

@@ -179,3 +179,23 @@ def test_mhc_stays_fp32_under_bf16():
     assert (comb.sum(-2) - 1).abs().max() < 1e-4
     out = m(torch.randint(0, CFG.vocab_size, (1, 17)))
     assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits.float()).all()
+
+
+def test_mhc_and_router_stay_fp32_under_autocast():
+    """torch.autocast(bf16) must not lower the mHC projections / Sinkhorn or the router scores to bf16."""
+    from dsv4.model.mhc import hc_head, hc_pre
+    from dsv4.model.moe import MoE
+    torch.manual_seed(4)
+    blk = _model(4).layers[1]
+    X = torch.randn(1, 9, CFG.hc_mult, CFG.hidden_size)
+    ref = hc_pre(X, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, CFG)
+    href = hc_head(X, blk.hc_attn_fn[:4], blk.hc_attn_base[:4], blk.hc_attn_scale[:1], CFG)
+    moe = MoE(CFG, 1)
+    h = torch.randn(9, CFG.hidden_size)
+    sref = moe.gate(h, None)[2]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = hc_pre(X, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, CFG)
+        hgot = hc_head(X, blk.hc_attn_fn[:4], blk.hc_attn_base[:4], blk.hc_attn_scale[:1], CFG)
+        sgot = moe.gate(h, None)[2]
+    for a, b in zip(ref + (href, sref), got + (hgot, sgot)):
+        assert b.dtype == torch.float32 and torch.equal(a, b)
