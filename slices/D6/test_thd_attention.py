@@ -86,7 +86,9 @@ def test_packed_attention_equals_separate(layer, padded):
 def test_packed_indexer_loss_equals_separate(mode):
     """Training mode, CSA layer: the packed indexer KL loss == the per-document losses weighted by their
     number of queries with a candidate; indexer parameter gradients equal (the LM path never reaches them)."""
-    cfg = get_config("debug", indexer_loss_mode=mode)
+    # window 12 > 2m: a query with >= 2 candidates (pos >= 7) can have window keys before its document start,
+    # the only case where a document leak in the teacher's window part would change the (normalised) target
+    cfg = get_config("debug", indexer_loss_mode=mode, sliding_window=12)
     torch.manual_seed(0)
     attn = DSv4Attention(cfg, 1).train()
     _randomize(attn)
@@ -108,7 +110,9 @@ def test_packed_indexer_loss_equals_separate(mode):
             den += n_q
     ref = num / den
     g_ref = torch.autograd.grad(ref, iparams)
-    assert abs(loss.item() - ref.item()) <= TOL * max(1.0, abs(ref.item())), (loss.item(), ref.item())
+    # the loss is small (coeff 1e-2): compare relative to its own size, and each gradient to its own max
+    e_loss = abs(loss.item() - ref.item()) / abs(ref.item())
+    assert e_loss <= TOL, (loss.item(), ref.item())
     for a, b in zip(g_packed, g_ref):
-        assert (a - b).abs().max().item() <= TOL * max(1.0, b.abs().max().item())
+        assert (a - b).abs().max().item() <= TOL * b.abs().max().item()
     assert loss.item() > 0
