@@ -61,7 +61,7 @@ def candidates_from_idx(idx: torch.Tensor, T: int) -> torch.Tensor:
 
 @torch.no_grad()
 def indexer_teacher(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor, cand: torch.Tensor, sink: torch.Tensor,
-                    window: int, scale: float, teacher: str, chunk: int = 512,
+                    window: int, scale: float, teacher: str, chunk: int | None = None,
                     idx: torch.Tensor | None = None) -> torch.Tensor:
     """Target distribution P [S,B,T] fp32 (rows sum to 1 where the row has candidates, 0 elsewhere). Detached.
 
@@ -84,6 +84,11 @@ def indexer_teacher(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor, cand:
     T = comp.shape[0]
     dt = torch.promote_types(q.dtype, torch.float32)                                # fp32 (fp64 stays)
     compf = comp.detach().to(dt)
+    if chunk is None:      # the largest power of two (256..S) whose fp32 logits block stays under 256 MiB
+        n_c = T if idx is None else idx.shape[-1]
+        chunk = 256
+        while chunk < S and 2 * chunk * B * H * (n_c + 2 * chunk + window) * 4 <= 2 ** 28:
+            chunk *= 2
     P = torch.zeros(S, B, T, dtype=dt, device=q.device)
     for a in range(0, S, chunk):
         e = min(S, a + chunk)

@@ -43,12 +43,12 @@ def grouped_mm_ok(device: torch.device) -> bool:
             try:
                 x = torch.randn(64, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
                 w = torch.randn(4, 48, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
-                offs = torch.tensor([16, 16, 48, 64], device=device, dtype=torch.int32)
+                offs = torch.tensor([5, 5, 37, 64], device=device, dtype=torch.int32)       # unaligned, one empty
                 y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)              # [64, 48]
-                ref = torch.cat([x[:16] @ w[0].T, x[16:48] @ w[2].T, x[48:] @ w[3].T])
+                ref = torch.cat([x[:5] @ w[0].T, x[5:37] @ w[2].T, x[37:] @ w[3].T])
                 y.float().pow(2).sum().backward()
                 gw = torch.zeros_like(w)
-                for e, (a, b) in enumerate([(0, 16), (16, 16), (16, 48), (48, 64)]):
+                for e, (a, b) in enumerate([(0, 5), (5, 5), (5, 37), (37, 64)]):
                     gw[e] = (2 * ref[a:b].float()).T.to(torch.bfloat16) @ x[a:b].detach()
                 ok = bool(torch.allclose(y.float(), ref.float(), atol=0.1, rtol=0.02)) and \
                     bool(torch.allclose(w.grad.float(), gw.float(), atol=1.0, rtol=0.05))
