@@ -387,3 +387,127 @@ def convert(src: str, dst: str, src_format: str, dst_format: str) -> dict:
     n = sum(v.numel() for v in model.state_dict().values())
     return {"src": src, "dst": dst, "from": src_format, "to": dst_format, "tensors": len(model.state_dict()),
             "elements": n, "layers": model.cfg.num_hidden_layers, "mtp": model.cfg.num_nextn_predict_layers}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Megatron-Core / Megatron-Bridge names (megatron_dsv4.md §5.2; GPTModel-style `decoder.layers.{i}.*`)
+# ---------------------------------------------------------------------------------------------------------
+
+_MEG_TOP = [("embed.weight", "embedding.word_embeddings.weight"), ("head.weight", "output_layer.weight"),
+            ("norm.weight", "decoder.final_layernorm.weight"), ("hc_head_fn", "decoder.hc_head_fn"),
+            ("hc_head_base", "decoder.hc_head_base"), ("hc_head_scale", "decoder.hc_head_scale")]
+_MEG_BLOCK = [  # (ours after `layers.{i}.` / `mtp.{k}.`, Megatron after the layer prefix)
+    ("attn_norm.weight", "input_layernorm.weight"), ("ffn_norm.weight", "pre_mlp_layernorm.weight"),
+    ("attn.wq_a.weight", "self_attention.linear_q_down_proj.weight"),
+    ("attn.q_norm.weight", "self_attention.q_layernorm.weight"),
+    ("attn.wq_b.weight", "self_attention.linear_q_up_proj.weight"),
+    ("attn.wkv.weight", "self_attention.linear_kv_proj.weight"),
+    ("attn.kv_norm.weight", "self_attention.kv_layernorm.weight"),
+    ("attn.wo_a.weight", "self_attention.linear_o_group_proj"),
+    ("attn.wo_b.weight", "self_attention.linear_proj.weight"),
+    ("attn.attn_sink", "self_attention.core_attention.attn_sink"),
+    ("attn.compressor.wkv.weight", "self_attention.core_attention.compressor.linear_wkv.weight"),
+    ("attn.compressor.wgate.weight", "self_attention.core_attention.compressor.linear_wgate.weight"),
+    ("attn.compressor.norm.weight", "self_attention.core_attention.compressor.norm.weight"),
+    ("attn.compressor.ape", "self_attention.core_attention.compressor.ape"),
+    ("attn.indexer.wq_b.weight", "self_attention.core_attention.indexer.linear_wq_b.weight"),
+    ("attn.indexer.weights_proj.weight", "self_attention.core_attention.indexer.linear_weights_proj.weight"),
+    ("attn.indexer.compressor.wkv.weight", "self_attention.core_attention.indexer.compressor.linear_wkv.weight"),
+    ("attn.indexer.compressor.wgate.weight",
+     "self_attention.core_attention.indexer.compressor.linear_wgate.weight"),
+    ("attn.indexer.compressor.norm.weight", "self_attention.core_attention.indexer.compressor.norm.weight"),
+    ("attn.indexer.compressor.ape", "self_attention.core_attention.indexer.compressor.ape"),
+    ("ffn.gate.weight", "mlp.router.weight"), ("ffn.gate.bias", "mlp.router.expert_bias"),
+    ("ffn.gate.tid2eid", "mlp.router.tid2eid"),
+    ("ffn.shared_experts.w2.weight", "mlp.shared_experts.linear_fc2.weight"),
+    ("ffn.w2.weight", "mlp.linear_fc2.weight"),
+    ("hc_attn_fn", "self_attention_hyper_connection.mapping_proj.weight"),
+    ("hc_attn_base", "self_attention_hyper_connection.mapping_proj.bias"),
+    ("hc_ffn_fn", "mlp_hyper_connection.mapping_proj.weight"),
+    ("hc_ffn_base", "mlp_hyper_connection.mapping_proj.bias"),
+    # MTP-only
+    ("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"), ("norm.weight", "final_layernorm.weight"),
+    ("e_proj.weight", "e_proj.weight"), ("h_proj.weight", "h_proj.weight"),
+    ("hc_head_fn", "hc_head_fn"), ("hc_head_base", "hc_head_base"), ("hc_head_scale", "hc_head_scale"),
+]
+_MTP_OWN = {"enorm.weight", "hnorm.weight", "norm.weight", "e_proj.weight", "h_proj.weight", "hc_head_fn",
+            "hc_head_base", "hc_head_scale"}
+_ALPHAS = ("alpha_pre", "alpha_post", "alpha_res")
+
+
+def ours_to_megatron(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our state dict -> Megatron names (§5.2): fc1 = cat(w1, w3) rows, routed experts as TEGroupedMLP
+    `linear_fc1.weight{e}` / `linear_fc2.weight{e}`, mHC scale [3] -> alpha_pre / alpha_post / alpha_res [1]."""
+    top, blk = dict(_MEG_TOP), dict(_MEG_BLOCK)
+    out = {}
+    for k, v in sd.items():
+        if k in top:
+            out[top[k]] = v
+            continue
+        m = re.match(r"^(layers|mtp)\.(\d+)\.(.+)$", k)
+        if not m:
+            raise CheckpointError(f"no Megatron name for tensor {k}")
+        kind, i, rest = m.groups()
+        if kind == "layers":
+            pre = f"decoder.layers.{i}."
+        else:
+            pre = f"mtp.layers.{i}." + ("" if rest in _MTP_OWN else "mtp_model_layer.")
+        if rest in ("hc_attn_scale", "hc_ffn_scale"):
+            hc = "self_attention_hyper_connection" if rest == "hc_attn_scale" else "mlp_hyper_connection"
+            for j, a in enumerate(_ALPHAS):
+                out[f"{pre}{hc}.{a}"] = v[j:j + 1].clone()
+        elif rest.endswith("ffn.experts.w13"):
+            for e in range(v.shape[0]):
+                out[f"{pre}mlp.experts.linear_fc1.weight{e}"] = v[e].clone()
+        elif rest.endswith("ffn.experts.w2"):
+            for e in range(v.shape[0]):
+                out[f"{pre}mlp.experts.linear_fc2.weight{e}"] = v[e].clone()
+        elif rest in ("ffn.shared_experts.w1.weight", "ffn.w1.weight"):
+            w3 = sd[k[: -len("w1.weight")] + "w3.weight"]
+            name = "mlp.shared_experts.linear_fc1.weight" if "shared" in rest else "mlp.linear_fc1.weight"
+            out[pre + name] = torch.cat([v, w3], 0)
+        elif rest in ("ffn.shared_experts.w3.weight", "ffn.w3.weight"):
+            continue
+        elif rest in blk:
+            out[pre + blk[rest]] = v
+        else:
+            raise CheckpointError(f"no Megatron name for tensor {k}")
+    return out
+
+
+def megatron_to_ours(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of `ours_to_megatron`."""
+    top = {m: o for o, m in _MEG_TOP}
+    blk = {m: o for o, m in _MEG_BLOCK}
+    out, experts, alphas = {}, {}, {}
+    for k, v in sd.items():
+        if k in top:
+            out[top[k]] = v
+            continue
+        m = re.match(r"^(decoder\.layers|mtp\.layers)\.(\d+)\.(mtp_model_layer\.)?(.+)$", k)
+        if not m:
+            raise CheckpointError(f"unexpected Megatron tensor {k}: no DSv4 counterpart")
+        kind, i, _, rest = m.groups()
+        pre = f"layers.{i}." if kind == "decoder.layers" else f"mtp.{i}."
+        a = re.match(r"^(self_attention|mlp)_hyper_connection\.(alpha_pre|alpha_post|alpha_res)$", rest)
+        e = re.match(r"^mlp\.experts\.linear_fc([12])\.weight(\d+)$", rest)
+        if a:
+            name = pre + ("hc_attn_scale" if a.group(1) == "self_attention" else "hc_ffn_scale")
+            alphas.setdefault(name, {})[_ALPHAS.index(a.group(2))] = v
+        elif e:
+            experts.setdefault((pre, e.group(1)), {})[int(e.group(2))] = v
+        elif rest in ("mlp.shared_experts.linear_fc1.weight", "mlp.linear_fc1.weight"):
+            base = "ffn.shared_experts." if "shared" in rest else "ffn."
+            w1, w3 = v.chunk(2, 0)
+            out[pre + base + "w1.weight"], out[pre + base + "w3.weight"] = w1.clone(), w3.clone()
+        elif rest in blk:
+            out[pre + blk[rest]] = v
+        else:
+            raise CheckpointError(f"unexpected Megatron tensor {k}: no DSv4 counterpart")
+    for name, parts in alphas.items():
+        if sorted(parts) != [0, 1, 2]:
+            raise CheckpointError(f"missing tensor for {name}: needs alpha_pre, alpha_post and alpha_res")
+        out[name] = torch.cat([parts[0], parts[1], parts[2]])
+    for (pre, fc), per in experts.items():
+        out[pre + ("ffn.experts.w13" if fc == "1" else "ffn.experts.w2")] = torch.stack([per[j] for j in range(len(per))])
+    return out

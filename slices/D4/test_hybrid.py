@@ -101,3 +101,27 @@ def test_hub_style_config_json_gives_flash():
         d = config_to_hf(cfg)
         d.pop("dsv4_config")
         assert config_from_hf(d, hash_seed=cfg.hash_seed) == cfg, name
+
+
+def test_megatron_names_round_trip():
+    """Our names <-> Megatron-Core / Bridge names (megatron_dsv4.md §5.2), incl. MTP and a dense `-` layer."""
+    from dsv4.model.convert import megatron_to_ours, ours_to_megatron
+    cfg = parse_pattern("WEC-/WE", "debug").cfg
+    torch.manual_seed(0)
+    sd = build_model(cfg).state_dict()
+    meg = ours_to_megatron(sd)
+    for k in ("embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight",
+              "decoder.hc_head_fn", "decoder.layers.0.self_attention_hyper_connection.alpha_res",
+              "decoder.layers.0.mlp.router.tid2eid", "decoder.layers.0.mlp.experts.linear_fc1.weight7",
+              "decoder.layers.1.self_attention.core_attention.indexer.compressor.ape",
+              "decoder.layers.1.mlp.linear_fc1.weight", "mtp.layers.0.enorm.weight", "mtp.layers.0.final_layernorm.weight",
+              "mtp.layers.0.mtp_model_layer.mlp.router.expert_bias", "mtp.layers.0.hc_head_scale",
+              "mtp.layers.0.mtp_model_layer.mlp.shared_experts.linear_fc1.weight"):
+        assert k in meg, k
+    f = cfg.moe_intermediate_size
+    assert torch.equal(meg["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"][:f],
+                       sd["layers.0.ffn.shared_experts.w1.weight"])
+    assert torch.equal(meg["decoder.layers.0.mlp_hyper_connection.alpha_post"], sd["layers.0.hc_ffn_scale"][1:2])
+    back = megatron_to_ours(meg)
+    assert back.keys() == sd.keys()
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
