@@ -233,3 +233,67 @@ def simulate_cp_attention(attn, h: torch.Tensor, cu_seqlens, cp: int, cu_seqlens
     outs = [attention_on_layout(attn, x, seg, pos, halo, gather_entries=gathered(r))
             for r, (x, seg, pos) in enumerate(ranks)]
     return torch.cat(outs)[None]
+
+
+# ---------------------------------------------------------------------------------------------- full model
+
+
+def cp_model_forward(model, input_ids: torch.Tensor, labels: torch.Tensor | None, cu_seqlens, total: int,
+                     cu_seqlens_padded=None, group=None):
+    """A `DSv4Model` on this rank's contiguous chunk of a packed stream: input_ids / labels [1, C] ->
+    the model's output for the chunk (logits, mtp_logits). Attention layers run `cp_attention_forward`; the MTP
+    block reads ids_next rolled inside documents across the rank boundary (model/mtp_roll.py). With labels,
+    `out.loss` is this rank's SHARE of the global loss (sum over ranks = the single-rank packed loss): CE sums
+    divided by the global target counts (all-reduced), indexer KL means weighted by global query counts.
+    MoE auxiliary losses are not included (their per-sequence statistics would need a CP all-reduce).
+    """
+    import torch.nn.functional as F
+    from .mtp_roll import IGNORE, roll_packed_cp
+    group = group or cp_group()
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    seg, _ = rank_layout(cu_seqlens, total, cp, rank, 0, cu_seqlens_padded)
+    seg = seg.to(input_ids.device)
+    ids_roll, _ = roll_packed_cp(input_ids[0], seg, group, fill=0)             # [C] next token in the doc
+    ids_roll = ids_roll[None]
+    attns = [m for m in model.modules() if type(m).__name__ == "DSv4Attention"]
+    mtps = list(getattr(model, "mtp", []))
+
+    def attn_fwd(attn):
+        return lambda h, positions=None, backend=None: cp_attention_forward(attn, h, cu_seqlens, total,
+                                                                            cu_seqlens_padded, group)
+
+    def mtp_fwd(orig):
+        return lambda X, e_next, ids_next, positions=None: orig(X, model.embed(ids_roll), ids_roll, positions)
+
+    try:
+        for a in attns:
+            a.forward = attn_fwd(a)
+        for blk in mtps:
+            blk.forward = mtp_fwd(type(blk).forward.__get__(blk))
+        out = model(input_ids)
+    finally:
+        for m in attns + mtps:
+            m.__dict__.pop("forward", None)
+    if labels is None:
+        return out
+
+    def global_count(n):
+        t = torch.tensor([float(n)])
+        dist.all_reduce(t, group=group)
+        return float(t)
+
+    V = out.logits.shape[-1]
+    lm_sum = F.cross_entropy(out.logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE,
+                             reduction="sum")
+    loss = lm_sum / global_count((labels != IGNORE).sum())
+    if out.mtp_logits is not None:
+        mtp_labels, _ = roll_packed_cp(labels[0], seg, group, fill=IGNORE)
+        mtp_sum = F.cross_entropy(out.mtp_logits.float().reshape(-1, V), mtp_labels.reshape(-1),
+                                  ignore_index=IGNORE, reduction="sum")
+        loss = loss + model.cfg.mtp_loss_scaling_factor * mtp_sum / global_count((mtp_labels != IGNORE).sum())
+    for a in attns:
+        if getattr(a, "indexer_loss", None) is not None:
+            n = a.indexer_loss_queries
+            loss = loss + a.indexer_loss * (n / max(global_count(n), 1.0))
+    out.loss = loss
+    return out

@@ -339,6 +339,7 @@ def attention_on_layout(attn, x: torch.Tensor, seg: torch.Tensor, pos: torch.Ten
                                      attn.window, attn.scale, cfg.indexer_teacher)
         attn.indexer_loss = cfg.indexer_loss_coeff * indexer_kl_loss(scores[:, None], target[:, None],
                                                                      cand[:, None])   # [Tq, 1, N] = SBT
+        attn.indexer_loss_queries = int(cand.any(-1).sum())                     # the mean's count (CP sums)
     o = attn.rope(o, pos_l, inverse=True)                                       # back by the query position
     o = o.reshape(Tl, g, H * c // g)                                            # group i = heads i*H/g..
     wo_a = attn.wo_a.weight.view(g, -1, H * c // g)                             # [g, d_g, H*c/g]

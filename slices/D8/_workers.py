@@ -168,3 +168,55 @@ def ep_worker(rank, ws, port, outdir, counts, layers, static_tokens, megatron):
             grads[n] = gr
         res.append({"y": y.detach()[0], "idx": idx, "x_grad": x_loc.grad[0], "grads": grads})
     _finish(outdir, rank, res, megatron)
+
+
+# ---------------------------------------------------------------------------------------------- D8 full model
+
+def build_debug_model(train: bool):
+    """DSv4Model (debug config, no sequence aux loss) with non-trivial sinks / ape / norms, seeded."""
+    from dsv4.model.config import get_config
+    from dsv4.model.model import DSv4Model
+    torch.manual_seed(0)
+    model = DSv4Model(get_config("debug", seq_aux_loss_coeff=0.0)).train(train)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("attn_sink") or n.endswith(".ape") or n.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5 + (1.0 if n.endswith("norm.weight") else 0.0))
+            elif p.dim() == 2 and ".attn." in n:
+                p.mul_(10.0)
+    return model
+
+
+def packed_batch(lens, padded, vocab):
+    """ids / labels [1, T] of documents in padded slots; labels = next token inside the doc, -100 elsewhere."""
+    from dsv4.model.thd import seg_pos_from_cu_seqlens
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    cup = torch.tensor([0] + torch.tensor(padded).cumsum(0).tolist())
+    T = int(cup[-1])
+    seg, _ = seg_pos_from_cu_seqlens(cu, T, cup)
+    ids = torch.randint(0, vocab, (1, T), generator=torch.Generator().manual_seed(2))
+    labels = torch.full((1, T), -100)
+    for d in range(len(lens)):
+        rows = torch.nonzero(seg == d).flatten()
+        labels[0, rows[:-1]] = ids[0, rows[1:]]
+    return cu, cup, T, seg, ids, labels
+
+
+def cp_model_worker(rank, ws, port, outdir, lens, padded):
+    from dsv4.model.context_parallel import contiguous_chunk, cp_model_forward
+    group = _init(rank, ws, port)
+    model = build_debug_model(train=True)
+    cu, cup, T, seg, ids, labels = packed_batch(lens, padded, model.cfg.vocab_size)
+    s, e = contiguous_chunk(T, ws, rank)
+    out = cp_model_forward(model, ids[:, s:e], labels[:, s:e], cu, T, cup, group)
+    out.loss.backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss, group=group)
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g, group=group)
+        grads[n] = g
+    _finish(outdir, rank, {"logits": out.logits.detach()[0], "mtp_logits": out.mtp_logits.detach()[0],
+                           "loss": loss, "grads": grads if rank == 0 else None})
