@@ -19,6 +19,8 @@ Process group: Megatron-Core's `parallel_state.get_expert_model_parallel_group()
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -160,3 +162,32 @@ def ep_moe_forward(moe, x: torch.Tensor, input_ids: torch.Tensor | None = None, 
     w, idx, _ = moe.gate(flat, input_ids)
     y = ep_experts_forward(moe.experts, flat, w, idx, group, static_tokens) + moe.shared_experts(flat)
     return y.view(B, S, d), idx
+
+
+@contextlib.contextmanager
+def expert_parallel(model, group=None, static_tokens: int | None = None):
+    """Inside the context every `model.moe.MoE` layer of `model` dispatches its routed experts over the EP
+    group (`ep_moe_forward`); ranks may feed batches of different sizes (e.g. packed THD micro-batches of
+    different lengths). The layer's `aux_loss` is computed on the local tokens as model/moe.py does."""
+    from .moe import MoE, seq_aux_loss
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+
+    def fwd(moe):
+        def f(x, input_ids=None):
+            B, S, d = x.shape
+            flat = x.reshape(B * S, d)                                         # [n, d]
+            w, idx, scores = moe.gate(flat, input_ids)
+            y = ep_experts_forward(moe.experts, flat, w, idx, group, static_tokens) + moe.shared_experts(flat)
+            moe.aux_loss = None
+            if moe.training and moe.cfg.seq_aux_loss_coeff > 0 and not moe.gate.hash:
+                moe.aux_loss = moe.cfg.seq_aux_loss_coeff * seq_aux_loss(scores.view(B, S, -1), idx.view(B, S, -1))
+            return y.view(B, S, d)
+        return f
+
+    try:
+        for m in moes:
+            m.forward = fwd(m)
+        yield model
+    finally:
+        for m in moes:
+            m.__dict__.pop("forward", None)

@@ -220,3 +220,24 @@ def cp_model_worker(rank, ws, port, outdir, lens, padded):
         grads[n] = g
     _finish(outdir, rank, {"logits": out.logits.detach()[0], "mtp_logits": out.mtp_logits.detach()[0],
                            "loss": loss, "grads": grads if rank == 0 else None})
+
+
+def ep_model_worker(rank, ws, port, outdir, lens_per_rank):
+    """EP over the whole model: rank r runs ITS OWN packed batch (documents lens_per_rank[r], different total
+    lengths) through the debug DSv4Model with experts dispatched over the EP group; fwd + bwd of the loss."""
+    from dsv4.model import thd
+    from dsv4.model.ep_dispatch import expert_parallel
+    group = _init(rank, ws, port)
+    model = build_debug_model(train=True)
+    lens = lens_per_rank[rank]
+    cu, cup, T, seg, ids, labels = packed_batch(lens, lens, model.cfg.vocab_size)
+    with expert_parallel(model, group):
+        out = thd.packed_model_forward(model, ids, labels, cu, cup)
+    out.loss.backward()
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g, group=group)
+        grads[n] = g
+    _finish(outdir, rank, {"logits": out.logits.detach()[0], "loss": out.loss.detach(),
+                           "grads": grads if rank == 0 else None})
