@@ -38,7 +38,9 @@ def _provenance():
                              cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
     except Exception:   # noqa: BLE001 - no git on the device copy
         sha = ""
-    return {"git_sha": sha or os.environ.get("DSV4_GIT_SHA", "unknown"), "torch": torch.__version__,
+    if len(sha) != 40 or any(ch not in "0123456789abcdef" for ch in sha):
+        sha = os.environ.get("DSV4_GIT_SHA", "unknown")
+    return {"git_sha": sha, "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(),
             "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "timing": "triton.testing.do_bench median, L2 flushed (dense SDPA >= 32K: events, 1 warm-up + 2)"}
@@ -275,6 +277,11 @@ def _bench_mhc(N, log):
             f, b = _fwd_bwd(lambda: hc_post(x, out, post, comb, backend=backend), [x, out, post, comb])
             row["hc_post"] = {"fwd_ms": f, "bwd_ms": b, "fwd_tbps": (2 * X + U) / f * 1e-9,
                               "bwd_tbps": (3 * X + 2 * U) / b * 1e-9}
+            if backend == "triton":   # breakdown: the RMS+projection kernel alone (one read of x)
+                from dsv4.kernels.mhc import triton as tri
+                with torch.no_grad():
+                    p = _ms(lambda: tri._project(x, fn.detach(), 1e-6))
+                row["hc_pre"]["proj_only_ms"], row["hc_pre"]["proj_only_tbps"] = p, X / p * 1e-9
         except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:500]
         log(row)

@@ -6,11 +6,11 @@ Forward: one program per (block of BT queries, block of BJ entries, batch); the 
 while the loop over the nI heads does [BT, cI]·[cI, BJ] tensor-core products with the ReLU-weighted head sum
 as the epilogue, so the [S, nI, T] per-head logits never exist; tiles entirely above the causal limit are
 written as -inf without any product. Backward: two deterministic kernels that recompute the per-head logits
-(dq, dw per query block; dk per entry block), no atomics.
+(dq, dw per (query block, head group); partial dk per (entry block, head group), summed by PyTorch), no atomics.
 
-`indexer_topk` (same contract as `naive.indexer_topk`): torch.topk over an int64 key (order-preserving score
-bits << 32 | (T-1-j)), so equal scores are ordered lower index first exactly like naive's stable sort; rows
-are processed in chunks to bound the key's memory. NOT a streaming top-k: it needs the dense score rows.
+`indexer_topk` (same contract as `naive.indexer_topk`): a stable descending sort per row (= naive's algorithm,
+ties lower index first), in chunks of rows to bound the sort's workspace. NOT a streaming top-k: it needs the
+dense score rows (an int64 (score, -index) key + torch.topk was tried: 2.4x slower on the H200).
 `indexer_select` chains the two per chunk of query rows, so the full [S, B, T] score matrix is never held:
 peak memory O(chunk · T) instead of O(S · T).
 """
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels._triton_util import configs, pow2
+from dsv4.kernels._triton_util import configs, interpreting, pow2
 
 _FWD_CONFIGS = configs(gpu=[dict(BT=64, BJ=64, num_warps=4, num_stages=3), dict(BT=128, BJ=64, num_warps=8, num_stages=3)],
                        cpu=dict(BT=16, BJ=16))
@@ -31,7 +31,7 @@ _BWD_CONFIGS = configs(gpu=[dict(BT=64, BJ=64, num_warps=4, num_stages=2)], cpu=
 @triton.jit
 def _scores_fwd(Q, K, Wt, I, S, T, NH, C, ratio, coef, t_off,
                 sq_s, sq_b, sq_h, sk_t, sk_b, sw_s, sw_b, si_s, si_b,
-                BC: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr):
+                BC: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr):
     offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
     offs_j = tl.program_id(1) * BJ + tl.arange(0, BJ)
     b = tl.program_id(2).to(tl.int64)
@@ -52,7 +52,7 @@ def _scores_fwd(Q, K, Wt, I, S, T, NH, C, ratio, coef, t_off,
         for h in range(0, NH):
             q = tl.load(q_ptr + h * sq_h, mask=tmask[:, None] & cmask[None, :], other=0.0)
             wh = tl.load(w_ptr + h, mask=tmask, other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k))                          # [BT, BJ]
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)                          # [BT, BJ]
             acc += tl.maximum(s, 0.0) * wh[:, None]
         acc = tl.where(offs_j[None, :] < limit[:, None], acc * coef, float("-inf"))
         tl.store(I + out_off, acc, mask=omask)
@@ -60,9 +60,10 @@ def _scores_fwd(Q, K, Wt, I, S, T, NH, C, ratio, coef, t_off,
 
 @triton.autotune(configs=_BWD_CONFIGS, key=["NH", "BC"])
 @triton.jit
-def _scores_bwd_dq(Q, K, Wt, DI, DQ, DW, S, T, NH, C, ratio, coef,
+def _scores_bwd_dq(Q, K, Wt, DI, DQ, DW, S, T, NH, C, ratio, coef, HPP,
                    sq_s, sq_b, sq_h, sk_t, sk_b, sw_s, sw_b, si_s, si_b,
-                   BC: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr):
+                   BC: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr):
+    # grid (query blocks, batch, head groups of HPP heads): dq and dw of a head need no cross-program sum
     offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
     b = tl.program_id(1).to(tl.int64)
     offs_c = tl.arange(0, BC)
@@ -72,7 +73,7 @@ def _scores_bwd_dq(Q, K, Wt, DI, DQ, DW, S, T, NH, C, ratio, coef,
     jend = tl.minimum((tl.minimum(tl.program_id(0) * BT + BT, S)) // ratio, T)   # entries any row can see
     q_off = offs_t[:, None].to(tl.int64) * sq_s + b * sq_b + offs_c[None, :]
     w_off = offs_t.to(tl.int64) * sw_s + b * sw_b
-    for h in range(0, NH):
+    for h in range(tl.program_id(2) * HPP, tl.minimum(tl.program_id(2) * HPP + HPP, NH)):
         q = tl.load(Q + q_off + h * sq_h, mask=tc, other=0.0)
         wh = tl.load(Wt + w_off + h, mask=tmask, other=0.0).to(tl.float32)
         dq = tl.zeros([BT, BC], tl.float32)
@@ -83,19 +84,20 @@ def _scores_bwd_dq(Q, K, Wt, DI, DQ, DW, S, T, NH, C, ratio, coef,
                         mask=(offs_j[:, None] < T) & cmask[None, :], other=0.0)
             g = tl.load(DI + offs_t[:, None].to(tl.int64) * si_s + b * si_b + offs_j[None, :],
                         mask=tmask[:, None] & (offs_j[None, :] < limit[:, None]), other=0.0)
-            s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)
             dw += tl.sum(g * tl.maximum(s, 0.0), 1)
             ds = tl.where(s > 0, g * wh[:, None], 0.0)
-            dq += tl.dot(ds.to(k.dtype), k)
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
         tl.store(DQ + q_off + h * sq_h, (dq * coef).to(DQ.dtype.element_ty), mask=tc)
         tl.store(DW + w_off + h, (dw * coef).to(DW.dtype.element_ty), mask=tmask)
 
 
 @triton.autotune(configs=_BWD_CONFIGS, key=["NH", "BC"])
 @triton.jit
-def _scores_bwd_dk(Q, K, Wt, DI, DK, S, T, NH, C, ratio, coef,
+def _scores_bwd_dk(Q, K, Wt, DI, DK, S, T, NH, C, ratio, coef, HPP,
                    sq_s, sq_b, sq_h, sk_t, sk_b, sw_s, sw_b, si_s, si_b,
-                   BC: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr):
+                   BC: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr):
+    # grid (entry blocks, batch, head groups): each head group writes its partial dk to DK[group] (summed after)
     offs_j = tl.program_id(0) * BJ + tl.arange(0, BJ)
     b = tl.program_id(1).to(tl.int64)
     offs_c = tl.arange(0, BC)
@@ -105,7 +107,7 @@ def _scores_bwd_dk(Q, K, Wt, DI, DK, S, T, NH, C, ratio, coef,
     dk = tl.zeros([BJ, BC], tl.float32)
     t_lo = (tl.program_id(0) * BJ + 1) * ratio - 1             # first query that sees entry j0
     t_lo = (t_lo // BT) * BT
-    for h in range(0, NH):
+    for h in range(tl.program_id(2) * HPP, tl.minimum(tl.program_id(2) * HPP + HPP, NH)):
         for t0 in range(t_lo, S, BT):
             offs_t = t0 + tl.arange(0, BT)
             tmask = offs_t < S
@@ -115,10 +117,15 @@ def _scores_bwd_dk(Q, K, Wt, DI, DK, S, T, NH, C, ratio, coef,
             g = tl.load(DI + offs_t[:, None].to(tl.int64) * si_s + b * si_b + offs_j[None, :],
                         mask=tmask[:, None] & jmask[None, :] & (offs_j[None, :] < ((offs_t + 1) // ratio)[:, None]),
                         other=0.0)
-            s = tl.dot(q, tl.trans(k))                          # [BT, BJ]
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)                          # [BT, BJ]
             ds = tl.where(s > 0, g * wh[:, None], 0.0)
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-    tl.store(DK + k_off, (dk * coef).to(DK.dtype.element_ty), mask=jmask[:, None] & cmask[None, :])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+    tl.store(DK + tl.program_id(2).to(tl.int64) * (T * sk_t) + k_off, dk * coef, mask=jmask[:, None] & cmask[None, :])
+
+
+def _prec(x):
+    """fp32 inputs: exact fp32 products ("ieee"); bf16: tensor cores (flag ignored)."""
+    return "ieee" if x.dtype in (torch.float32, torch.float64) else "tf32"
 
 
 def _strides(q, k, w, i):
@@ -135,7 +142,7 @@ def _launch_fwd(qI, kI, w, ratio, t_off):
     if S and T:
         grid = lambda meta: (triton.cdiv(S, meta["BT"]), triton.cdiv(T, meta["BJ"]), B)
         _scores_fwd[grid](qI, kI, w, I, S, T, nI, cI, ratio, nI ** -0.5 * cI ** -0.5, t_off,
-                          *_strides(qI, kI, w, I), BC=pow2(cI))
+                          *_strides(qI, kI, w, I), BC=pow2(cI), PREC=_prec(qI))
     return I
 
 
@@ -158,10 +165,14 @@ class _IndexerScores(torch.autograd.Function):
         dq, dk, dw = torch.zeros_like(qI), torch.zeros_like(kI), torch.zeros_like(w)
         if S and T:
             st = _strides(qI, kI, w, dI)
-            _scores_bwd_dq[lambda meta: (triton.cdiv(S, meta["BT"]), B)](
-                qI, kI, w, dI, dq, dw, S, T, nI, cI, ratio, coef, *st, BC=pow2(cI))
-            _scores_bwd_dk[lambda meta: (triton.cdiv(T, meta["BJ"]), B)](
-                qI, kI, w, dI, dk, S, T, nI, cI, ratio, coef, *st, BC=pow2(cI))
+            hpp = 2 if interpreting() else 8                    # heads per program (tests: exercise the split)
+            ng = triton.cdiv(nI, hpp)
+            _scores_bwd_dq[lambda meta: (triton.cdiv(S, meta["BT"]), B, ng)](
+                qI, kI, w, dI, dq, dw, S, T, nI, cI, ratio, coef, hpp, *st, BC=pow2(cI), PREC=_prec(qI))
+            dk_part = torch.empty(ng, T, B, cI, device=kI.device, dtype=torch.float32)   # kI is contiguous
+            _scores_bwd_dk[lambda meta: (triton.cdiv(T, meta["BJ"]), B, ng)](
+                qI, kI, w, dI, dk_part, S, T, nI, cI, ratio, coef, hpp, *st, BC=pow2(cI), PREC=_prec(qI))
+            dk = dk_part.sum(0).to(kI.dtype)
         return dq, dk, dw, None
 
 
@@ -179,15 +190,10 @@ def indexer_scores(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: i
 
 
 def _topk_rows(I: torch.Tensor, kk: int) -> torch.Tensor:
-    """Top-kk of the last axis, ties lower index first, -1 for -inf picks (int64 composite key)."""
-    T = I.shape[-1]
-    f = (I.detach().float() + 0.0).contiguous()                 # + 0.0 turns -0.0 into +0.0 (equal scores)
-    bits = f.view(torch.int32)
-    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)   # order-preserving int
-    key = (key << 32) | (T - 1 - torch.arange(T, device=I.device, dtype=torch.int64))
-    top = torch.topk(key, kk, dim=-1, largest=True, sorted=True).values
-    idx = T - 1 - (top & 0xFFFFFFFF)
-    vals = torch.gather(f, -1, idx)
+    """Top-kk of the last axis, ties lower index first, -1 for -inf picks. A stable descending segmented sort
+    (CUB radix sort): measured on the H200 2.4x faster than torch.topk over an int64 (score, -index) key."""
+    vals, idx = torch.sort(I.detach(), dim=-1, descending=True, stable=True)
+    vals, idx = vals[..., :kk], idx[..., :kk]
     return torch.where(torch.isneginf(vals), torch.full_like(idx, -1), idx)
 
 

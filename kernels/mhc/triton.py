@@ -7,11 +7,12 @@ hc_pre forward, two kernels:
      (the RMS sum of squares and the projection share the read; tensor-core dot in 3×TF32, ~fp32 accuracy).
   2. `_pre`: per block of tokens: pre/post sigmoids and the Sinkhorn iterations on [BM, n, n] in registers,
      then the aggregate u = Σ_j pre_j X_j streamed over d (second read of x).
-hc_pre backward: dpre = Σ_d du·X_j (Triton reduction); the small pre/post/Sinkhorn map [N, (2+n)n] -> (pre, post,
-  comb) is differentiated by RECOMPUTATION through PyTorch autograd (naive's formulas; not fused);
-  dx = dh·fn + c·x + pre ⊗ du in one Triton kernel (dh = dmix·r, c = -r²/(nd)·Σ dmix·mix), dfn = dhᵀ·x by cuBLAS.
-hc_post: one kernel each way, per block of tokens and channels; the backward streams d once per token block
-  and reduces dpost and dcomb over d in registers (no atomics).
+hc_pre backward: one Triton kernel per token block reduces dpre = Σ_d du·X_j and back-propagates the small map
+  mix -> (pre, post, comb) in registers (sigmoids; the Sinkhorn steps by RECOMPUTATION of the forward up to each
+  step, O(iters²) on [n, n], nothing stored); dx = dh·fn + c·x + pre ⊗ du in a second Triton kernel
+  (dh = dmix·r, c = -r²/(nd)·Σ dmix·mix); dfn = dhᵀ·x by cuBLAS (fp32); dbase/dscale are PyTorch sums.
+hc_post: one kernel each way, per (block of tokens, block of channels); the backward writes dpost / dcomb
+  partial sums per channel block (summed by PyTorch; deterministic, no atomics).
 `sinkhorn` and `hc_head` are the naive PyTorch versions (not fused here).
 """
 from __future__ import annotations
@@ -102,20 +103,65 @@ def _pre(X, MIX, BASE, SCALE, U, POST, COMB, PRE, N, D, iters, eps,
 
 # ------------------------------------------------------------------------------------------ hc_pre bwd
 @triton.jit
-def _dpre(X, DU, DPRE, N, D, NS: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+def _pre_bwd_w(X, DU, MIX, BASE, SCALE, DPOST, DCOMB, DZ, N, D, iters, eps,
+               NS: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    """Per block of tokens: dpre = Σ_d du·X_j (streamed over d), then the backward of the small map
+    z = mix·scale + base -> (pre, post, comb) into DZ = dL/dz [N, RP]. The Sinkhorn steps are differentiated by
+    recomputation: for step i (last to first) the forward is replayed from the softmax up to step i, in registers
+    (O(iters²) work on [BM, n, n], nothing stored)."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     mmask = offs_m < N
     j = tl.arange(0, NP)
-    acc = tl.zeros([BM, NP], tl.float32)
+    jm = j < NS
+    m2 = mmask[:, None] & jm[None, :]
+    dpre = tl.zeros([BM, NP], tl.float32)
     for d0 in range(0, D, BD):
         offs_d = d0 + tl.arange(0, BD)
         dmask = offs_d < D
         du = tl.load(DU + offs_m[:, None].to(tl.int64) * D + offs_d[None, :], mask=mmask[:, None] & dmask[None, :],
                      other=0.0).to(tl.float32)
         x = tl.load(X + offs_m[:, None, None].to(tl.int64) * (NS * D) + j[None, :, None] * D + offs_d[None, None, :],
-                    mask=mmask[:, None, None] & (j < NS)[None, :, None] & dmask[None, None, :], other=0.0)
-        acc += tl.sum(x.to(tl.float32) * du[:, None, :], 2)
-    tl.store(DPRE + offs_m[:, None] * NS + j[None, :], acc, mask=mmask[:, None] & (j < NS)[None, :])
+                    mask=m2[:, :, None] & dmask[None, None, :], other=0.0)
+        dpre += tl.sum(x.to(tl.float32) * du[:, None, :], 2)
+    s0 = tl.load(SCALE)
+    s1 = tl.load(SCALE + 1)
+    s2 = tl.load(SCALE + 2)
+    mix_row = MIX + offs_m[:, None] * RP
+    # pre = σ(z) + eps, post = 2σ(z): dz = g · σ(1-σ) (· 2)
+    sp = tl.sigmoid(tl.load(mix_row + j[None, :], mask=m2, other=0.0) * s0 + tl.load(BASE + j, mask=jm)[None, :])
+    tl.store(DZ + offs_m[:, None] * RP + j[None, :], dpre * sp * (1.0 - sp), mask=m2)
+    sq = tl.sigmoid(tl.load(mix_row + NS + j[None, :], mask=m2, other=0.0) * s1 + tl.load(BASE + NS + j, mask=jm)[None, :])
+    dpost = tl.load(DPOST + offs_m[:, None] * NS + j[None, :], mask=m2, other=0.0)
+    tl.store(DZ + offs_m[:, None] * RP + NS + j[None, :], 2.0 * dpost * sq * (1.0 - sq), mask=m2)
+    # comb: replay softmax + eps, then the 2·iters-1 normalisations (even step: column, odd step: row)
+    jk = 2 * NS + j[:, None] * NS + j[None, :]
+    valid = jm[:, None] & jm[None, :]
+    m3 = mmask[:, None, None] & valid[None, :, :]
+    lg = tl.load(MIX + offs_m[:, None, None] * RP + jk[None, :, :], mask=m3, other=0.0) * s2 \
+        + tl.load(BASE + jk, mask=valid, other=0.0)[None, :, :]
+    lg = tl.where(valid[None, :, :], lg, float("-inf"))
+    lg = tl.where(jm[None, :, None], lg, 0.0)
+    e = tl.exp(lg - tl.max(lg, 2)[:, :, None])
+    p = tl.where(valid[None, :, :], e / tl.sum(e, 2)[:, :, None], 0.0)       # softmax over k
+    c0 = tl.where(valid[None, :, :], p + eps, 0.0)
+    g = tl.load(DCOMB + offs_m[:, None, None] * (NS * NS) + j[None, :, None] * NS + j[None, None, :], mask=m3, other=0.0)
+    nsteps = 2 * iters - 1
+    for i in range(nsteps - 1, -1, -1):
+        x = c0
+        for st in range(0, i):                                  # replay the forward up to step i
+            if st % 2 == 0:
+                x = x / (tl.sum(x, 1)[:, None, :] + eps)
+            else:
+                x = x / (tl.sum(x, 2)[:, :, None] + eps)
+        if i % 2 == 0:                                          # y = x / (colsum + eps)
+            sc = tl.sum(x, 1)[:, None, :] + eps
+            g = g / sc - tl.sum(g * x, 1)[:, None, :] / (sc * sc)
+        else:                                                   # y = x / (rowsum + eps)
+            sc = tl.sum(x, 2)[:, :, None] + eps
+            g = g / sc - tl.sum(g * x, 2)[:, :, None] / (sc * sc)
+        g = tl.where(valid[None, :, :], g, 0.0)                 # padded streams (n not a power of 2)
+    dl = p * (g - tl.sum(p * g, 2)[:, :, None])                 # softmax backward (the +eps passes g)
+    tl.store(DZ + offs_m[:, None, None] * RP + jk[None, :, :], dl, mask=m3)
 
 
 @triton.jit
@@ -139,17 +185,18 @@ def _pre_dx(X, FN, DH, CX, PRE, DU, DX, N, K, D, R, NS: tl.constexpr, RP: tl.con
     tl.store(DX + x_off, dx.to(DX.dtype.element_ty), mask=mk)
 
 
-def _pre_weights(mix, base, scale, n, iters, eps):
-    """(pre, post, comb) from the normalised mix [N, (2+n)n] (naive's formulas, differentiable)."""
-    N = mix.shape[0]
-    pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
-    post = 2 * torch.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
-    logits = mix[:, 2 * n:].reshape(N, n, n) * scale[2] + base[2 * n:].view(n, n)
-    return pre, post, naive.sinkhorn(logits, iters, eps)
-
-
 def _blocks_d(d):
     return (16, min(pow2(d), 32)) if interpreting() else (16, min(pow2(d), 256))
+
+
+def _project(x, fn32, norm_eps):
+    """mix [N, RP] (normalised x·fnᵀ, zero-padded columns) and rsqrt(mean(x²)+eps) [N] (kernel `_proj`)."""
+    N, R, K = x.shape[0], fn32.shape[0], fn32.shape[1]
+    RP = pow2(R)
+    mix = torch.empty(N, RP, device=x.device, dtype=torch.float32)
+    rinv = torch.empty(N, device=x.device, dtype=torch.float32)
+    _proj[lambda meta: (triton.cdiv(N, meta["BM"]),)](x, fn32, mix, rinv, N, K, R, float(norm_eps), RP=RP, PREC=_PREC)
+    return mix, rinv
 
 
 class _HcPre(torch.autograd.Function):
@@ -160,10 +207,7 @@ class _HcPre(torch.autograd.Function):
         R, K = fn.shape
         RP = pow2(R)
         fn32, base32, scale32 = fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous()
-        mix = torch.empty(N, RP, device=x.device, dtype=torch.float32)
-        rinv = torch.empty(N, device=x.device, dtype=torch.float32)
-        _proj[lambda meta: (triton.cdiv(N, meta["BM"]),)](x, fn32, mix, rinv, N, K, R, float(norm_eps), RP=RP,
-                                                          PREC=_PREC)
+        mix, rinv = _project(x, fn32, norm_eps)
         u = torch.empty(N, d, device=x.device, dtype=x.dtype)
         post = torch.empty(N, n, device=x.device, dtype=torch.float32)
         comb = torch.empty(N, n, n, device=x.device, dtype=torch.float32)
@@ -184,17 +228,16 @@ class _HcPre(torch.autograd.Function):
         RP = mix.shape[1]
         BM, BD = _blocks_d(d)
         du = torch.zeros(N, d, device=x.device, dtype=x.dtype) if du is None else du.contiguous()
-        dpre = torch.empty(N, n, device=x.device, dtype=torch.float32)
-        _dpre[(triton.cdiv(N, BM),)](x, du, dpre, N, d, NS=n, NP=pow2(n, lo=1), BM=BM, BD=BD, num_warps=4)
-        # the small map mix -> (pre, post, comb): recomputed and differentiated by PyTorch autograd
-        with torch.enable_grad():
-            m_ = mix[:, :R].detach().requires_grad_()
-            b_ = base32.detach().requires_grad_()
-            s_ = scale32.detach().requires_grad_()
-            outs = _pre_weights(m_, b_, s_, n, iters, eps)
-            grads = [dpre, dpost if dpost is not None else torch.zeros_like(outs[1]),
-                     dcomb if dcomb is not None else torch.zeros_like(outs[2])]
-            dmix, dbase, dscale = torch.autograd.grad(outs, (m_, b_, s_), grads)
+        dpost = torch.zeros(N, n, device=x.device, dtype=torch.float32) if dpost is None else dpost.float().contiguous()
+        dcomb = torch.zeros(N, n, n, device=x.device, dtype=torch.float32) if dcomb is None else dcomb.float().contiguous()
+        dz = torch.empty(N, RP, device=x.device, dtype=torch.float32)            # dL / d(mix·scale + base)
+        _pre_bwd_w[(triton.cdiv(N, BM),)](x, du, mix, base32, scale32, dpost, dcomb, dz, N, d, iters, eps,
+                                          NS=n, NP=pow2(n, lo=1), RP=RP, BM=BM, BD=BD, num_warps=4)
+        dz = dz[:, :R]
+        groups = torch.tensor([0] * n + [1] * n + [2] * (n * n), device=x.device)   # scale index of each row
+        dmix = dz * scale32[groups]
+        dbase = dz.sum(0)
+        dscale = torch.zeros(3, device=x.device, dtype=torch.float32).index_add_(0, groups, (dz * mix[:, :R]).sum(0))
         dh = torch.zeros(N, RP, device=x.device, dtype=torch.float32)
         dh[:, :R] = dmix * rinv[:, None]                         # d(x·fnᵀ)
         cx = -(dmix * mix[:, :R]).sum(1) * rinv * rinv / K          # from r = rsqrt(mean(x²)+eps)
@@ -230,34 +273,29 @@ def _post_fwd(X, OUT, POST, COMB, Y, N, D, NS: tl.constexpr, NP: tl.constexpr, B
 @triton.jit
 def _post_bwd(X, OUT, POST, COMB, DY, DX, DOUT, DPOST, DCOMB, N, D,
               NS: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    """Grid (token blocks, channel blocks): dx, dout of the block's channels; dpost / dcomb partial sums over
+    the block's channels go to DPOST[dblock] / DCOMB[dblock] (summed by PyTorch; no atomics)."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     k = tl.arange(0, NP)
-    mmask, kmask = offs_m < N, k < NS
+    mmask, kmask, dmask = offs_m < N, k < NS, offs_d < D
     mk = mmask[:, None] & kmask[None, :]
+    md = mmask[:, None] & dmask[None, :]
     post = tl.load(POST + offs_m[:, None] * NS + k[None, :], mask=mk, other=0.0)
-    dpost = tl.zeros([BM, NP], tl.float32)
-    dcomb = tl.zeros([BM, NP, NP], tl.float32)
-    for d0 in range(0, D, BD):
-        offs_d = d0 + tl.arange(0, BD)
-        dmask = offs_d < D
-        md = mmask[:, None] & dmask[None, :]
-        row3 = offs_m[:, None, None].to(tl.int64) * (NS * D) + k[None, :, None] * D + offs_d[None, None, :]
-        m3 = mk[:, :, None] & dmask[None, None, :]
-        dy = tl.load(DY + row3, mask=m3, other=0.0).to(tl.float32)                      # [BM, k, BD]
-        out = tl.load(OUT + offs_m[:, None].to(tl.int64) * D + offs_d[None, :], mask=md, other=0.0).to(tl.float32)
-        tl.store(DOUT + offs_m[:, None].to(tl.int64) * D + offs_d[None, :],
-                 tl.sum(post[:, :, None] * dy, 1).to(DOUT.dtype.element_ty), mask=md)
-        dpost += tl.sum(dy * out[:, None, :], 2)
-        x_row = offs_m[:, None].to(tl.int64) * (NS * D) + offs_d[None, :]
-        for jj in tl.static_range(NS):
-            cj = tl.load(COMB + offs_m[:, None] * (NS * NS) + jj * NS + k[None, :], mask=mk, other=0.0)
-            tl.store(DX + x_row + jj * D, tl.sum(cj[:, :, None] * dy, 1).to(DX.dtype.element_ty), mask=md)
-            xj = tl.load(X + x_row + jj * D, mask=md, other=0.0).to(tl.float32)
-            dcj = tl.sum(xj[:, None, :] * dy, 2)                                         # [BM, k]
-            dcomb += tl.where((k == jj)[None, :, None], dcj[:, None, :], 0.0)
-    tl.store(DPOST + offs_m[:, None] * NS + k[None, :], dpost, mask=mk)
-    tl.store(DCOMB + offs_m[:, None, None] * (NS * NS) + k[None, :, None] * NS + k[None, None, :], dcomb,
-             mask=mk[:, :, None] & kmask[None, None, :])
+    row3 = offs_m[:, None, None].to(tl.int64) * (NS * D) + k[None, :, None] * D + offs_d[None, None, :]
+    dy = tl.load(DY + row3, mask=mk[:, :, None] & dmask[None, None, :], other=0.0).to(tl.float32)   # [BM, k, BD]
+    out = tl.load(OUT + offs_m[:, None].to(tl.int64) * D + offs_d[None, :], mask=md, other=0.0).to(tl.float32)
+    tl.store(DOUT + offs_m[:, None].to(tl.int64) * D + offs_d[None, :],
+             tl.sum(post[:, :, None] * dy, 1).to(DOUT.dtype.element_ty), mask=md)
+    part = tl.program_id(1).to(tl.int64) * N
+    tl.store(DPOST + (part + offs_m[:, None]) * NS + k[None, :], tl.sum(dy * out[:, None, :], 2), mask=mk)
+    x_row = offs_m[:, None].to(tl.int64) * (NS * D) + offs_d[None, :]
+    for jj in tl.static_range(NS):
+        cj = tl.load(COMB + offs_m[:, None] * (NS * NS) + jj * NS + k[None, :], mask=mk, other=0.0)   # comb[j, :]
+        tl.store(DX + x_row + jj * D, tl.sum(cj[:, :, None] * dy, 1).to(DX.dtype.element_ty), mask=md)
+        xj = tl.load(X + x_row + jj * D, mask=md, other=0.0).to(tl.float32)
+        tl.store(DCOMB + (part + offs_m[:, None]) * (NS * NS) + jj * NS + k[None, :], tl.sum(xj[:, None, :] * dy, 2),
+                 mask=mk)
 
 
 class _HcPost(torch.autograd.Function):
@@ -279,12 +317,13 @@ class _HcPost(torch.autograd.Function):
         x, out, post32, comb32 = ctx.saved_tensors
         N, n, d = x.shape
         dx, dout = torch.empty_like(x), torch.empty_like(out)
-        dpost = torch.empty(N, n, device=x.device, dtype=torch.float32)
-        dcomb = torch.empty(N, n, n, device=x.device, dtype=torch.float32)
-        BM, BD = (16, min(pow2(d), 32)) if interpreting() else (4, min(pow2(d), 128))
-        _post_bwd[(triton.cdiv(N, BM),)](x, out, post32, comb32, dy.contiguous(), dx, dout, dpost, dcomb, N, d,
-                                         NS=n, NP=pow2(n, lo=1), BM=BM, BD=BD, num_warps=4)
-        return dx, dout, dpost.to(ctx.dts[1]), dcomb.to(ctx.dts[2])
+        BM, BD = (16, min(pow2(d), 8)) if interpreting() else (16, min(pow2(d), 256))
+        nd = triton.cdiv(d, BD)
+        dpost = torch.empty(nd, N, n, device=x.device, dtype=torch.float32)
+        dcomb = torch.empty(nd, N, n, n, device=x.device, dtype=torch.float32)
+        _post_bwd[(triton.cdiv(N, BM), nd)](x, out, post32, comb32, dy.contiguous(), dx, dout, dpost, dcomb, N, d,
+                                            NS=n, NP=pow2(n, lo=1), BM=BM, BD=BD, num_warps=4)
+        return dx, dout, dpost.sum(0).to(ctx.dts[1]), dcomb.sum(0).to(ctx.dts[2])
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,

@@ -31,26 +31,29 @@ from dsv4.kernels._triton_util import configs, pow2
 LOG2E = 1.4426950408889634
 MODE_NONE, MODE_IDX, MODE_ALL = 0, 1, 2
 
-# (64, 64, 8 warps) and (64, 32, 8 warps) compile to wgmma with small register spills (ptxas, sm_90, triton 3.9);
-# BH=64 needs q and dO twice in shared memory in the backward (> 228 KB on sm_90): BH = 32 there (mma.sync).
+# (64, 64|32, 8 warps) compile to wgmma with small register spills (ptxas, sm_90, triton 3.9). Backward: BH=64
+# only in the transposed-dKV form (DKT: q / dO reused as transposed A operands; the [BN, BD] form needs q and dO
+# twice in shared memory, > 228 KB), BH=32 in the plain form (mma.sync).
 _FWD_CONFIGS = configs(
-    gpu=[dict(BH=64, BN=64, num_warps=8, num_stages=2), dict(BH=64, BN=32, num_warps=8, num_stages=2)],
+    gpu=[dict(BH=64, BN=64, num_warps=8, num_stages=2), dict(BH=64, BN=32, num_warps=8, num_stages=2),
+         dict(BH=64, BN=32, num_warps=8, num_stages=3)],
     cpu=dict(BH=16, BN=16, num_warps=4, num_stages=1))
 _BWD_CONFIGS = configs(
-    gpu=[dict(BH=32, BN=32, num_warps=8, num_stages=1), dict(BH=32, BN=16, num_warps=8, num_stages=2)],
-    cpu=dict(BH=16, BN=16, num_warps=4, num_stages=1))
+    gpu=[dict(BH=64, BN=16, DKT=True, num_warps=8, num_stages=1), dict(BH=64, BN=32, DKT=True, num_warps=8, num_stages=1),
+         dict(BH=32, BN=32, DKT=False, num_warps=8, num_stages=1), dict(BH=32, BN=16, DKT=False, num_warps=8, num_stages=2)],
+    cpu=dict(BH=16, BN=16, DKT=True, num_warps=4, num_stages=1))
 
 
 # ----------------------------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale):
-    s = tl.dot(q, tl.trans(k)) * qk_scale                       # [BH, BN] logits, log2 domain
+def _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale                       # [BH, BN] logits, log2 domain
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)       # V = K
+    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PREC)   # V = K
     return m_new, l_i, acc
 
 
@@ -59,7 +62,8 @@ def _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale):
 def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE,
                      sq_s, sq_b, sq_h, skv_s, skv_b, sc_s, sc_b, si_s, si_b, so_s, so_b, so_h, sl_s, sl_b,
                      H, NSEL, window, ratio, qk_scale,
-                     C: tl.constexpr, MODE: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
+                     C: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
+                     BN: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
@@ -78,7 +82,7 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE,
         valid = offs_n <= t
         k = tl.load(KV + offs_n[:, None] * skv_s + b * skv_b + offs_d[None, :],
                     mask=valid[:, None] & dmask[None, :], other=0.0)
-        m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale)
+        m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
     if MODE == 1:                                               # CSA: gathered top-k entries
         for start in range(0, NSEL, BN):
             offs_n = start + tl.arange(0, BN)
@@ -86,7 +90,7 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE,
             valid = (idx >= 0) & (idx < (t + 1) // ratio)       # -1 and not-yet-complete entries: none
             k = tl.load(COMP + idx[:, None] * sc_s + b * sc_b + offs_d[None, :],
                         mask=valid[:, None] & dmask[None, :], other=0.0)
-            m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale)
+            m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
     if MODE == 2:                                               # HCA: all complete entries j < (t+1)//ratio
         nvis = (t + 1) // ratio
         for start in range(0, nvis, BN):
@@ -94,7 +98,7 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE,
             valid = offs_n < nvis
             k = tl.load(COMP + offs_n[:, None] * sc_s + b * sc_b + offs_d[None, :],
                         mask=valid[:, None] & dmask[None, :], other=0.0)
-            m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale)
+            m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
     o = acc / l_i[:, None]
     tl.store(O + t * so_s + b * so_b + offs_h[:, None] * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
              mask=hmask[:, None] & dmask[None, :])
@@ -103,14 +107,30 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE,
 
 # ---------------------------------------------------------------------------------------------- backward
 @triton.jit
-def _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale):
-    s = tl.dot(q, tl.trans(k)) * qk_scale                       # [BH, BN]
+def _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC: tl.constexpr, DKT: tl.constexpr):
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale              # [BH, BN]
     p = tl.where(valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
-    dp = tl.dot(do, tl.trans(k))                                # dO Vᵀ, V = K
+    dp = tl.dot(do, tl.trans(k), input_precision=PREC)                       # dO Vᵀ, V = K
     ds = p * (dp - delta[:, None]) * scale
-    dq = dq + tl.dot(ds.to(k.dtype), k)
-    dk = tl.dot(tl.trans(ds.to(q.dtype)), q) + tl.dot(tl.trans(p.to(do.dtype)), do)   # [BN, BD] dK + dV
+    dq = dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    if DKT:   # dKVᵀ [BD, BN] = Qᵀ dS + dOᵀ P: q / dO serve as (transposed) A operands, no second smem copy
+        dk = tl.dot(tl.trans(q), ds.to(q.dtype), input_precision=PREC) + \
+            tl.dot(tl.trans(do), p.to(do.dtype), input_precision=PREC)
+    else:     # dKV [BN, BD] = dSᵀ Q + Pᵀ dO
+        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) + \
+            tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
     return dq, dk
+
+
+@triton.jit
+def _dk_add(DK, rows, b, s_row, s_b, offs_d, valid, dmask, dk, DKT: tl.constexpr):
+    """Atomic fp32 add of a key tile's dKV (rows = key indices) in either orientation."""
+    if DKT:
+        tl.atomic_add(DK + rows[None, :] * s_row + b * s_b + offs_d[:, None], dk,
+                      mask=valid[None, :] & dmask[:, None], sem="relaxed")
+    else:
+        tl.atomic_add(DK + rows[:, None] * s_row + b * s_b + offs_d[None, :], dk,
+                      mask=valid[:, None] & dmask[None, :], sem="relaxed")
 
 
 @triton.autotune(configs=_BWD_CONFIGS, key=["H", "BD", "MODE"], reset_to_zero=["DKV", "DCOMP"])
@@ -118,7 +138,8 @@ def _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale):
 def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA,
                      sq_s, sq_b, sq_h, skv_s, skv_b, sc_s, sc_b, si_s, si_b, so_s, so_b, so_h, sl_s, sl_b,
                      H, NSEL, window, ratio, qk_scale, scale,
-                     C: tl.constexpr, MODE: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
+                     C: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
+                     BN: tl.constexpr, DKT: tl.constexpr):
     # Q/DQ/O/DO share strides (sq_*, so_*: q and dq; o and do), KV/DKV share skv_*, COMP/DCOMP share sc_*
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
@@ -142,8 +163,8 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA,
         kmask = valid[:, None] & dmask[None, :]
         k_off = offs_n[:, None] * skv_s + b * skv_b + offs_d[None, :]
         k = tl.load(KV + k_off, mask=kmask, other=0.0)
-        dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale)
-        tl.atomic_add(DKV + k_off, dk, mask=kmask, sem="relaxed")
+        dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
+        _dk_add(DKV, offs_n, b, skv_s, skv_b, offs_d, valid, dmask, dk, DKT)
     if MODE == 1:
         for start in range(0, NSEL, BN):
             offs_n = start + tl.arange(0, BN)
@@ -152,8 +173,8 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA,
             kmask = valid[:, None] & dmask[None, :]
             k_off = idx[:, None] * sc_s + b * sc_b + offs_d[None, :]
             k = tl.load(COMP + k_off, mask=kmask, other=0.0)
-            dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale)
-            tl.atomic_add(DCOMP + k_off, dk, mask=kmask, sem="relaxed")
+            dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
+            _dk_add(DCOMP, idx, b, sc_s, sc_b, offs_d, valid, dmask, dk, DKT)
     if MODE == 2:
         nvis = (t + 1) // ratio
         for start in range(0, nvis, BN):
@@ -162,13 +183,18 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA,
             kmask = valid[:, None] & dmask[None, :]
             k_off = offs_n[:, None] * sc_s + b * sc_b + offs_d[None, :]
             k = tl.load(COMP + k_off, mask=kmask, other=0.0)
-            dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale)
-            tl.atomic_add(DCOMP + k_off, dk, mask=kmask, sem="relaxed")
+            dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
+            _dk_add(DCOMP, offs_n, b, sc_s, sc_b, offs_d, valid, dmask, dk, DKT)
     tl.store(DQ + t * sq_s + b * sq_b + offs_h[:, None] * sq_h + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=hd)
 
 
 # ------------------------------------------------------------------------------------------------ driver
+def _prec(x):
+    """fp32 inputs: exact fp32 products ("ieee", tests); bf16/fp16: tensor cores (the flag is ignored)."""
+    return "ieee" if x.dtype in (torch.float32, torch.float64) else "tf32"
+
+
 def _launch_args(q, kv, comp, comp_idx, window, ratio):
     S, B, H, C = q.shape
     if comp is None or comp.shape[0] == 0:
@@ -197,7 +223,7 @@ class _SparseAttn(torch.autograd.Function):
             q, kv, comp_t, idx_t, sink.contiguous(), o, lse,
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), comp_t.stride(0), comp_t.stride(1),
             idx_t.stride(0), idx_t.stride(1), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-            H, nsel, int(window), max(int(ratio or 1), 1), float(scale) * LOG2E, C=C, MODE=mode, BD=pow2(C))
+            H, nsel, int(window), max(int(ratio or 1), 1), float(scale) * LOG2E, C=C, MODE=mode, PREC=_prec(q), BD=pow2(C))
         ctx.save_for_backward(q, kv, comp_t, idx_t, sink, o, lse)
         ctx.cfg = (mode, nsel, int(window), max(int(ratio or 1), 1), float(scale), mode != MODE_NONE)
         ctx.comp_none = comp is None
@@ -218,7 +244,7 @@ class _SparseAttn(torch.autograd.Function):
             q, kv, comp_t, idx_t, o, do, lse, dq, dkv, dcomp, delta,
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), comp_t.stride(0), comp_t.stride(1),
             idx_t.stride(0), idx_t.stride(1), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-            H, nsel, window, ratio, scale * LOG2E, scale, C=C, MODE=mode, BD=pow2(C))
+            H, nsel, window, ratio, scale * LOG2E, scale, C=C, MODE=mode, PREC=_prec(q), BD=pow2(C))
         # d sink_h = -Σ_{t,b} p_sink(t,b,h) · delta(t,b,h),  p_sink = exp(z_h - lse)   (lse in log2 units)
         p_sink = torch.exp2(sink.float() * LOG2E - lse)
         dsink = -(p_sink * delta).sum((0, 1)).to(sink.dtype)
