@@ -148,7 +148,7 @@ def left_halo(x_local: torch.Tensor, halo: int, group=None) -> torch.Tensor:
         return x_local[:0]
     tl = min(halo, C)
     tails = all_gather_cat(x_local[C - tl:], group)                            # [ws * tl, ...]
-    g = torch.arange(rank * C - halo, rank * C)                                # global rows wanted
+    g = torch.arange(rank * C - halo, rank * C, device=x_local.device)                             # global rows wanted
     owner = torch.div(g, C, rounding_mode="floor")
     row = owner * tl + (g - owner * C - (C - tl))                              # row in `tails`
     ok = g >= 0
@@ -162,7 +162,7 @@ def gather_entries(comp: torch.Tensor, entry_seg: torch.Tensor, entry_j: torch.T
     comp [n_r, D], entry_seg/entry_j [n_r] -> [ws * n_max, D], [ws * n_max] (padding: seg -1, j 0, value 0).
     """
     group = group or dist.group.WORLD
-    n = torch.tensor([comp.shape[0]], dtype=torch.long)
+    n = torch.tensor([comp.shape[0]], dtype=torch.long, device=comp.device)
     n_max = int(all_gather_cat(n, group).max())
     pad = n_max - comp.shape[0]
     comp_p = torch.cat([comp, comp.new_zeros(pad, *comp.shape[1:])])
@@ -207,7 +207,8 @@ def simulate_cp_attention(attn, h: torch.Tensor, cu_seqlens, cp: int, cu_seqlens
         s, e = contiguous_chunk(T, cp, r)
         seg, pos = rank_layout(cu_seqlens, T, cp, r, halo, cu_seqlens_padded)
         rows = torch.arange(s - halo, e)
-        x = torch.where((rows >= 0)[:, None], h[0, rows.clamp(min=0)], torch.zeros(()))   # [halo + C, d]
+        rows = rows.to(h.device)
+        x = torch.where((rows >= 0)[:, None], h[0, rows.clamp(min=0)], torch.zeros((), device=h.device))   # [halo + C, d]
         ranks.append((x, seg, pos))
 
     local = [[] for _ in range(cp)]                 # phase 1: every rank's locally closed entries, per call
@@ -278,7 +279,7 @@ def cp_model_forward(model, input_ids: torch.Tensor, labels: torch.Tensor | None
         return out
 
     def global_count(n):
-        t = torch.tensor([float(n)])
+        t = torch.tensor([float(n)], device=out.logits.device)
         dist.all_reduce(t, group=group)
         return float(t)
 

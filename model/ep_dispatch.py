@@ -41,10 +41,10 @@ def ep_group():
 # ---------------------------------------------------------------------------------------------- padding (#5008)
 
 
-def static_token_count(n_local: int, group=None, static: int | None = None) -> int:
+def static_token_count(n_local: int, group=None, static: int | None = None, device=None) -> int:
     """The static token count N: `static` if given (must be >= every rank's count), else the max over ranks."""
     group = group or dist.group.WORLD
-    n = torch.tensor([n_local], dtype=torch.long)
+    n = torch.tensor([n_local], dtype=torch.long, device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
     if static is None:
         return int(n)
@@ -60,7 +60,7 @@ def pad_routed_tokens(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, N: in
     if n > N:
         raise ValueError(f"static_tokens: {N} < local token count {n}")
     pad = N - n
-    valid = torch.cat([torch.ones(n, dtype=torch.bool), torch.zeros(pad, dtype=torch.bool)])
+    valid = torch.arange(N, device=x.device) < n                               # [N] real rows first
     return (torch.cat([x, x.new_zeros(pad, x.shape[1])]), torch.cat([w, w.new_zeros(pad, w.shape[1])]),
             torch.cat([idx, idx.new_full((pad, idx.shape[1]), -1)]), valid)
 
@@ -112,26 +112,27 @@ def ep_experts_forward(experts, x: torch.Tensor, w: torch.Tensor, idx: torch.Ten
     E_loc = E // ep
     n, d = x.shape
     K = idx.shape[1]
-    N = static_token_count(n, group, static_tokens)
+    N = static_token_count(n, group, static_tokens, x.device)
+    dev = x.device
     xp, wp, ip, _ = pad_routed_tokens(x, w, idx, N)                           # [N, d], [N, K], [N, K]
     cap = N * K                                                                # static rows per destination
     slot_e = ip.reshape(-1)                                                    # [N*K] global expert, -1 = pad
-    slot_tok = torch.arange(N * K) // K                                        # [N*K] token of each slot
+    slot_tok = torch.arange(N * K, device=dev) // K                                        # [N*K] token of each slot
     dest = torch.where(slot_e >= 0, torch.div(slot_e, E_loc, rounding_mode="floor"), torch.full_like(slot_e, -1))
     # row of each slot in its destination's block: rank of the slot among the slots with the same destination
     row = torch.zeros_like(slot_e)
     for q in range(ep):
         sel = dest == q
-        row[sel] = torch.arange(int(sel.sum()))
+        row[sel] = torch.arange(int(sel.sum()), device=dev)
     live = dest >= 0
     flat_pos = dest[live] * cap + row[live]                                    # [n_live] row in the send buffer
     send_x = xp.new_zeros(ep * cap, d).index_copy(0, flat_pos, xp[slot_tok[live]])   # [ep*cap, d]
-    send_e = torch.full((ep * cap,), -1, dtype=torch.long)
+    send_e = torch.full((ep * cap,), -1, dtype=torch.long, device=dev)
     send_e[flat_pos] = slot_e[live] - dest[live] * E_loc                       # local expert id at the owner
 
     recv_x = all_to_all(send_x, group)                                         # [ep*cap, d] rows for my experts
     recv_e = all_to_all(send_e, group)
-    recv_y = torch.zeros(ep * cap, d, dtype=torch.promote_types(x.dtype, torch.float32))
+    recv_y = torch.zeros(ep * cap, d, dtype=torch.promote_types(x.dtype, torch.float32), device=dev)
     for e in range(E_loc):                                                     # my experts
         rows = torch.nonzero(recv_e == e).flatten()
         if rows.numel() == 0:
@@ -143,7 +144,7 @@ def ep_experts_forward(experts, x: torch.Tensor, w: torch.Tensor, idx: torch.Ten
     back = all_to_all(recv_y, group)                                           # [ep*cap, d] results, my slots
 
     # combine in ascending expert order (the accumulation order of model.moe.Experts, so sums match bitwise)
-    out = torch.zeros(N, d, dtype=recv_y.dtype)
+    out = torch.zeros(N, d, dtype=recv_y.dtype, device=dev)
     y_slot = back[flat_pos] * wp.reshape(-1)[live].to(out.dtype)[:, None]     # [n_live, d] weighted outputs
     e_live, t_live = slot_e[live], slot_tok[live]
     order = torch.argsort(e_live, stable=True)

@@ -134,7 +134,7 @@ def compress_pool_thd(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, r
     first = ends - need_rows + 1                                                # first row the entry pools
     if ends.numel() and bool((first < 0).any() or (seg[first.clamp(min=0)] != seg[ends]).any()):
         raise THDError(f"kv: a compression window starts before the stream (halo shorter than {coff * m - 1})")
-    cur = ends[:, None] - (m - 1) + torch.arange(m)                             # [N, m] token idx, window j
+    cur = ends[:, None] - (m - 1) + torch.arange(m, device=kv.device)                          # [N, m] token idx, window j
     zc = _acc(gate[cur]) + _acc(ape[None])                                   # [N, m, coff*D]
     vc = kv[cur]
     if not overlap:
@@ -143,8 +143,8 @@ def compress_pool_thd(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, r
         prev = (cur - m).clamp(min=0)                                           # [N, m] token idx, window j-1
         has_prev = (j > 0)[:, None, None]                                        # [N, 1, 1]
         zp = torch.where(has_prev, _acc(gate[prev])[..., :D] + _acc(ape[None, :, :D]),
-                         torch.full((), float("-inf")))                         # [N, m, D] empty -> -inf
-        vp = torch.where(has_prev, kv[prev][..., :D], torch.zeros((), dtype=kv.dtype))
+                         torch.full((), float("-inf"), device=kv.device))         # [N, m, D] empty -> -inf
+        vp = torch.where(has_prev, kv[prev][..., :D], torch.zeros((), dtype=kv.dtype, device=kv.device))
         logits = torch.cat([zp, zc[..., D:]], dim=1)                             # [N, 2m, D] slots
         vals = torch.cat([vp, vc[..., D:]], dim=1)                               # [N, 2m, D]
     alpha = torch.softmax(logits, dim=1)                                         # per channel over slots
@@ -200,7 +200,7 @@ def sparse_attn_thd(q: torch.Tensor, kv: torch.Tensor, q_index: torch.Tensor,
     none) or None (HCA: every visible entry). Returns o [Tq, H, c] in q's dtype.
     """
     Tq, H, c = q.shape
-    offs = torch.arange(-(window - 1), 1)
+    offs = torch.arange(-(window - 1), 1, device=q.device)
     widx = q_index[:, None] + offs                                              # [Tq, W] candidate keys
     inb = widx >= 0
     widx_c = widx.clamp(min=0)
