@@ -154,11 +154,11 @@ def _pre_bwd_w(X, DU, MIX, BASE, SCALE, DPOST, DCOMB, DZ, N, D, iters, eps,
             else:
                 x = x / (tl.sum(x, 2)[:, :, None] + eps)
         if i % 2 == 0:                                          # y = x / (colsum + eps)
-            sc = tl.sum(x, 1)[:, None, :] + eps
-            g = g / sc - tl.sum(g * x, 1)[:, None, :] / (sc * sc)
+            sc_col = tl.sum(x, 1)[:, None, :] + eps
+            g = g / sc_col - tl.sum(g * x, 1)[:, None, :] / (sc_col * sc_col)
         else:                                                   # y = x / (rowsum + eps)
-            sc = tl.sum(x, 2)[:, :, None] + eps
-            g = g / sc - tl.sum(g * x, 2)[:, :, None] / (sc * sc)
+            sc_row = tl.sum(x, 2)[:, :, None] + eps
+            g = g / sc_row - tl.sum(g * x, 2)[:, :, None] / (sc_row * sc_row)
         g = tl.where(valid[None, :, :], g, 0.0)                 # padded streams (n not a power of 2)
     dl = p * (g - tl.sum(p * g, 2)[:, :, None])                 # softmax backward (the +eps passes g)
     tl.store(DZ + offs_m[:, None, None] * RP + jk[None, :, :], dl, mask=m3)
