@@ -164,6 +164,8 @@ def gather_entries(comp: torch.Tensor, entry_seg: torch.Tensor, entry_j: torch.T
     group = group or dist.group.WORLD
     n = torch.tensor([comp.shape[0]], dtype=torch.long, device=comp.device)
     n_max = int(all_gather_cat(n, group).max())
+    if n_max == 0:                                                             # no entry anywhere yet
+        return comp, entry_seg, entry_j
     pad = n_max - comp.shape[0]
     comp_p = torch.cat([comp, comp.new_zeros(pad, *comp.shape[1:])])
     seg_p = torch.cat([entry_seg, entry_seg.new_full((pad,), -1)])

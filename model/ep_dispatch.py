@@ -97,12 +97,13 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def ep_experts_forward(experts, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, group=None,
-                       static_tokens: int | None = None) -> torch.Tensor:
+                       static_tokens: int | None = None, capacity: int | None = None) -> torch.Tensor:
     """sum_k w_k Expert_{idx_k}(x) with the experts spread over the EP group -> [n, d] (x's dtype).
 
     experts: `model.moe.Experts` (stacked w13 [E, 2f, d], w2 [E, d, f]); this rank uses only its own experts'
     rows of w13 / w2. x [n, d], w / idx [n, K] are this rank's real tokens and their routing (n may differ
-    between ranks).
+    between ranks). `capacity`: static rows per (source, destination) pair; default N*K (never exceeded);
+    a smaller one bounds the buffers [ep * capacity, d] and is checked (an overflow raises, nothing dropped).
     """
     group = group or ep_group()
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -115,7 +116,7 @@ def ep_experts_forward(experts, x: torch.Tensor, w: torch.Tensor, idx: torch.Ten
     N = static_token_count(n, group, static_tokens, x.device)
     dev = x.device
     xp, wp, ip, _ = pad_routed_tokens(x, w, idx, N)                           # [N, d], [N, K], [N, K]
-    cap = N * K                                                                # static rows per destination
+    cap = N * K if capacity is None else int(capacity)                         # static rows per destination
     slot_e = ip.reshape(-1)                                                    # [N*K] global expert, -1 = pad
     slot_tok = torch.arange(N * K, device=dev) // K                                        # [N*K] token of each slot
     dest = torch.where(slot_e >= 0, torch.div(slot_e, E_loc, rounding_mode="floor"), torch.full_like(slot_e, -1))
@@ -125,6 +126,11 @@ def ep_experts_forward(experts, x: torch.Tensor, w: torch.Tensor, idx: torch.Ten
         sel = dest == q
         row[sel] = torch.arange(int(sel.sum()), device=dev)
     live = dest >= 0
+    if capacity is not None:                                                   # every rank raises together
+        need = torch.tensor([int(row[live].max()) + 1 if live.any() else 0], device=dev)
+        dist.all_reduce(need, op=dist.ReduceOp.MAX, group=group)
+        if int(need) > cap:
+            raise ValueError(f"capacity: {cap} rows per destination rank, a rank needs {int(need)}")
     flat_pos = dest[live] * cap + row[live]                                    # [n_live] row in the send buffer
     send_x = xp.new_zeros(ep * cap, d).index_copy(0, flat_pos, xp[slot_tok[live]])   # [ep*cap, d]
     send_e = torch.full((ep * cap,), -1, dtype=torch.long, device=dev)
@@ -155,13 +161,13 @@ def ep_experts_forward(experts, x: torch.Tensor, w: torch.Tensor, idx: torch.Ten
 
 
 def ep_moe_forward(moe, x: torch.Tensor, input_ids: torch.Tensor | None = None, group=None,
-                   static_tokens: int | None = None):
+                   static_tokens: int | None = None, capacity: int | None = None):
     """A `model.moe.MoE` layer with expert parallelism: x [B, S, d] (this rank's tokens) -> (y [B, S, d],
     idx [B*S, K] routing). Gate and shared expert run locally (replicated parameters)."""
     B, S, d = x.shape
     flat = x.reshape(B * S, d)                                                 # [n, d]
     w, idx, _ = moe.gate(flat, input_ids)
-    y = ep_experts_forward(moe.experts, flat, w, idx, group, static_tokens) + moe.shared_experts(flat)
+    y = ep_experts_forward(moe.experts, flat, w, idx, group, static_tokens, capacity) + moe.shared_experts(flat)
     return y.view(B, S, d), idx
 
 

@@ -140,7 +140,7 @@ def cp_roll_worker(rank, ws, port, outdir, cu, cup, T):
 
 # ---------------------------------------------------------------------------------------------- P10 EP dispatch
 
-def ep_worker(rank, ws, port, outdir, counts, layers, static_tokens, megatron):
+def ep_worker(rank, ws, port, outdir, counts, layers, static_tokens, megatron, capacity=None):
     """EP MoE on this rank's `counts[rank]` tokens (ids and x slices of one global batch), fwd + bwd."""
     from dsv4.model.config import get_config
     from dsv4.model.ep_dispatch import ep_moe_forward
@@ -159,7 +159,7 @@ def ep_worker(rank, ws, port, outdir, counts, layers, static_tokens, megatron):
         ids = torch.randint(0, cfg.vocab_size, (1, n_all), generator=g)
         r = torch.randn(1, n_all, cfg.hidden_size, generator=g)
         x_loc = x[:, s:e].clone().requires_grad_()
-        y, idx = ep_moe_forward(moe, x_loc, ids[:, s:e], group, static_tokens)
+        y, idx = ep_moe_forward(moe, x_loc, ids[:, s:e], group, static_tokens, capacity)
         (y * r[:, s:e]).sum().backward()
         grads = {}
         for n, p in moe.named_parameters():

@@ -31,12 +31,12 @@ def _oracle(layer, n_all):
 
 
 # (counts per rank, static token count or None = max over ranks, Megatron EP group or plain WORLD)
-@pytest.mark.parametrize("counts,static,megatron", [([7, 12], None, "ep"), ([3, 11, 1, 6], 16, None)],
-                         ids=["ep2-megatron-max", "ep4-world-static16"])
-def test_ep_equals_single_rank(counts, static, megatron):
+@pytest.mark.parametrize("counts,static,megatron,capacity", [([7, 12], None, "ep", None), ([3, 11, 1, 6], 16, None, 24)],
+                         ids=["ep2-megatron-max", "ep4-world-static16-cap24"])
+def test_ep_equals_single_rank(counts, static, megatron, capacity):
     if megatron:
         from megatron.core import parallel_state  # noqa: F401  (imported once; forked ranks inherit it)
-    per_rank = spawn(ep_worker, len(counts), counts, LAYERS, static, megatron)
+    per_rank = spawn(ep_worker, len(counts), counts, LAYERS, static, megatron, capacity)
     for i, layer in enumerate(LAYERS):
         y_ref, idx_ref, xg_ref, g_ref = _oracle(layer, sum(counts))
         idx = torch.cat([r[i]["idx"] for r in per_rank])
@@ -51,6 +51,12 @@ def test_ep_equals_single_rank(counts, static, megatron):
             assert e <= TOL, (layer, n, e)
         print(f"EP={len(counts)} layer {layer}: max |dy| {e_y:.2e}, |dx grad| {e_x:.2e}, "
               f"|y| max {y_ref.abs().max().item():.2f}")
+
+
+def test_capacity_overflow_raises_on_every_rank():
+    """A capacity below what a rank needs is refused on all ranks together (no rank left hanging)."""
+    with pytest.raises(Exception, match="capacity"):
+        spawn(ep_worker, 2, [7, 12], [1], None, None, 2)
 
 
 def test_ep_model_packed_batches_of_different_lengths():
