@@ -96,6 +96,20 @@ def seg_pos_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None,
     return seg, pos
 
 
+def from_packed_seq_params(psp) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(cu_seqlens, cu_seqlens_padded) of a Megatron-Core `PackedSeqParams` (duck-typed: qkv_format 'thd',
+    cu_seqlens_q / cu_seqlens_q_padded; DSv4 attention is self-attention, so q and kv metadata must agree)."""
+    if getattr(psp, "qkv_format", "thd") != "thd":
+        raise THDError(f"packed_seq_params.qkv_format: must be 'thd', got {psp.qkv_format!r}")
+    cu, cup = psp.cu_seqlens_q, getattr(psp, "cu_seqlens_q_padded", None)
+    kv, kvp = getattr(psp, "cu_seqlens_kv", None), getattr(psp, "cu_seqlens_kv_padded", None)
+    if kv is not None and not torch.equal(torch.as_tensor(kv).cpu(), torch.as_tensor(cu).cpu()):
+        raise THDError("packed_seq_params.cu_seqlens_kv: differs from cu_seqlens_q (self-attention only)")
+    if kvp is not None and cup is not None and not torch.equal(torch.as_tensor(kvp).cpu(), torch.as_tensor(cup).cpu()):
+        raise THDError("packed_seq_params.cu_seqlens_kv_padded: differs from cu_seqlens_q_padded")
+    return torch.as_tensor(cu).cpu(), (None if cup is None else torch.as_tensor(cup).cpu())
+
+
 def positions_from_cu_seqlens(cu_seqlens, total=None, cu_seqlens_padded=None) -> torch.Tensor:
     """RoPE positions [T] restarting at 0 for each document (0 on padding)."""
     return seg_pos_from_cu_seqlens(cu_seqlens, total, cu_seqlens_padded)[1]

@@ -178,3 +178,17 @@ def test_topk_tie_break_lower_index_first():
     I = torch.tensor([[1.0, 2.0, 2.0, float("-inf"), 2.0]])
     assert thd.indexer_topk_thd(I, 4).tolist() == [[1, 2, 4, 0]]
     assert thd.indexer_topk_thd(torch.full((1, 3), float("-inf")), 2).tolist() == [[-1, -1]]
+
+
+def test_from_packed_seq_params():
+    """Megatron's PackedSeqParams fields (duck-typed) -> (cu_seqlens, cu_seqlens_padded)."""
+    from types import SimpleNamespace
+    cu, cup = torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([0, 4, 8], dtype=torch.int32)
+    psp = SimpleNamespace(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cup,
+                          cu_seqlens_kv_padded=cup)
+    a, b = thd.from_packed_seq_params(psp)
+    assert a.tolist() == [0, 3, 5] and b.tolist() == [0, 4, 8]
+    with pytest.raises(thd.THDError, match="qkv_format"):
+        thd.from_packed_seq_params(SimpleNamespace(qkv_format="sbhd", cu_seqlens_q=cu))
+    with pytest.raises(thd.THDError, match="cu_seqlens_kv"):
+        thd.from_packed_seq_params(SimpleNamespace(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cup))
