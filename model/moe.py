@@ -59,10 +59,18 @@ def grouped_mm_ok(device: torch.device) -> bool:
 
 
 def hash_table(cfg) -> torch.Tensor:
-    """Fixed token-id -> experts table [V, K] int64: K DISTINCT experts per token, seeded by cfg.hash_seed."""
-    g = torch.Generator().manual_seed(cfg.hash_seed)
-    keys = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=g)       # [V, E]
-    return keys.argsort(dim=-1)[:, :cfg.num_experts_per_tok].contiguous()      # a random K-subset per token
+    """Fixed token-id -> experts table [V, K] int64: K DISTINCT experts per token, seeded by cfg.hash_seed.
+
+    Generated on the CPU (the same table on every device), then moved to the default device; on the meta
+    device only the shape is made. Row v = the K smallest of E seeded uniforms, in ascending order.
+    """
+    V, E, K = cfg.vocab_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    target = torch.empty(0).device
+    if target.type == "meta":
+        return torch.empty(V, K, dtype=torch.long, device="meta")
+    g = torch.Generator(device="cpu").manual_seed(cfg.hash_seed)
+    keys = torch.rand(V, E, generator=g, device="cpu")                               # [V, E]
+    return keys.topk(K, dim=-1, largest=False).indices.contiguous().to(target)    # a random K-subset per token
 
 
 class Gate(nn.Module):
