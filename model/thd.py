@@ -380,10 +380,11 @@ def thd_attention_forward(attn, h: torch.Tensor, cu_seqlens: torch.Tensor,
 
 
 @contextlib.contextmanager
-def packed(model, cu_seqlens, cu_seqlens_padded=None, total: int | None = None):
+def packed(model, cu_seqlens, cu_seqlens_padded=None):
     """Run a `DSv4Model` on a packed stream [1, T]: inside the context every DSv4Attention layer runs
     `thd_attention_forward` (document-local windows, compression, indexer, RoPE positions) and the MTP block
     reads ids_next rolled inside each document (model/mtp_roll.py). Everything else in the model is per token.
+    The packed path runs the naive THD kernels of this file whatever the modules' `backend` is.
     """
     from .mtp_roll import roll_packed
     attns = [m for m in model.modules() if type(m).__name__ == "DSv4Attention"]
@@ -403,15 +404,18 @@ def packed(model, cu_seqlens, cu_seqlens_padded=None, total: int | None = None):
             return orig(X, model.embed(ids_roll), ids_roll, positions)
         return fwd
 
+    saved = {id(m): m.__dict__.get("forward") for m in attns + mtps}       # restore earlier instance patches
     try:
         for a in attns:
             a.forward = attn_fwd(a)
         for blk in mtps:
-            blk.forward = mtp_fwd(blk, type(blk).forward.__get__(blk))
+            blk.forward = mtp_fwd(blk, blk.__dict__.get("forward") or type(blk).forward.__get__(blk))
         yield model
     finally:
         for m in attns + mtps:
             m.__dict__.pop("forward", None)
+            if saved[id(m)] is not None:
+                m.forward = saved[id(m)]
 
 
 def packed_model_forward(model, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
