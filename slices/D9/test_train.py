@@ -135,7 +135,7 @@ def test_sigkill_inside_the_writer(tmp_path):
     assert torch.equal(o["state"][0]["buf"], torch.ones(4))
 
 
-@pytest.mark.parametrize("delay", [0.05, 0.23, 0.61])
+@pytest.mark.parametrize("delay", [0.1, 0.45])
 def test_sigkill_mid_write_leaves_previous_checkpoint_loadable(tmp_path, delay):
     d = tmp_path / "ckpt"
     p = subprocess.Popen([sys.executable, "-c", CHILD, str(d)], stdout=subprocess.PIPE, text=True)
