@@ -9,11 +9,12 @@ from torch import nn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) [* weight], over the last dim, in fp32; returns x's dtype."""
-    xf = x.float()
+    """x / sqrt(mean(x^2) + eps) [* weight], over the last dim, in fp32 (fp64 stays fp64, for gradchecks);
+    returns x's dtype."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.float()
+        y = y * weight.to(xf.dtype)
     return y.to(x.dtype)
 
 
