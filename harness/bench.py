@@ -318,8 +318,11 @@ def _bench_swiglu(log):
 @click.option("--only", default=",".join(OPS), show_default=True, help="Comma list of ops.")
 @click.option("--seqs", default="4096,16384,65536", show_default=True, help="Sparse-attention sequence lengths.")
 @click.option("--dense-peer/--no-dense-peer", default=True, help="Time dense causal SDPA at the same lengths.")
-def bench_cmd(as_json, out, out_dir, only, seqs, dense_peer):
+@click.option("--isolate", is_flag=True, help="Each op in its own process (a CUDA fault does not poison the rest).")
+def bench_cmd(as_json, out, out_dir, only, seqs, dense_peer, isolate):
     """Triton kernels vs naive vs peers on one GPU (H200); JSON with provenance."""
+    import tempfile
+
     import torch
     if not torch.cuda.is_available():
         raise click.ClickException("bench kernels needs a CUDA GPU (none visible)")
@@ -332,6 +335,16 @@ def bench_cmd(as_json, out, out_dir, only, seqs, dense_peer):
     res = {"provenance": _provenance(), "ops": {}}
     for op in ops:
         t0 = time.time()
+        if isolate:
+            with tempfile.TemporaryDirectory() as tmp:
+                f = Path(tmp) / "r.json"
+                args = ["--only", op, "--seqs", seqs, "--out", str(f)] + ([] if dense_peer else ["--no-dense-peer"])
+                rc = subprocess.run([sys.executable, "-c", "from dsv4.harness.bench import bench_cmd; bench_cmd()",
+                                     *args]).returncode
+                r = json.loads(f.read_text())["ops"][op] if f.exists() else _err(f"subprocess rc={rc}")
+            res["ops"][op] = r
+            print(f"[bench] {op} done in {time.time() - t0:.1f}s (isolated)", file=sys.stderr, flush=True)
+            continue
         try:
             if op == "sparse_attn":
                 r = _bench_sparse_attn(seq, dense_peer, log)

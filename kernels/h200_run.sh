@@ -11,8 +11,12 @@ export PYTHONPATH=/tmp/shim
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --durations=15 -p no:cacheprovider ${TESTS:-kernels/sparse_attn/test_sparse_attn.py kernels/compressor/test_compressor.py kernels/indexer/test_indexer.py kernels/mhc/test_mhc.py kernels/swiglu/test_swiglu.py} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  for t in ${TESTS:-kernels/sparse_attn/test_sparse_attn.py kernels/compressor/test_compressor.py kernels/indexer/test_indexer.py kernels/mhc/test_mhc.py kernels/swiglu/test_swiglu.py}; do
+    # one process per file: a CUDA fault in one op does not poison the others
+    timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --durations=5 -p no:cacheprovider $t >> "$OUT/pytest_gpu.log" 2>&1
+    echo "$t: $(tail -1 "$OUT/pytest_gpu.log")"
+  done
 fi
 timeout ${BENCH_TIMEOUT:-420} python3 -c "from dsv4.harness.bench import bench_cmd; bench_cmd()" \
-  --out "$OUT/bench_kernels.json" --out-dir "$OUT" ${BENCH_ARGS:-} 2> "$OUT/bench.log"
+  --isolate --out "$OUT/bench_kernels.json" --out-dir "$OUT" ${BENCH_ARGS:-} 2> "$OUT/bench.log"
 echo "bench rc=$?"; grep -v '^ *$' "$OUT/bench.log" | cut -c1-400 | tail -40
