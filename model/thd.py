@@ -334,8 +334,8 @@ def attention_on_layout(attn, x: torch.Tensor, seg: torch.Tensor, pos: torch.Ten
         idx = indexer_topk_thd(scores, ind.topk)                                # [Tl, k]
         attn.last_topk = idx
         attn.last_entries = (iseg, ij)                                          # to map idx -> (doc, j)
-        if attn.training and attn.cfg.indexer_loss_mode == "dense":
-            idx = None                                                          # warm-up: all entries
+        if attn.cfg.indexer_loss_mode == "dense":
+            idx = None                                                          # dense phase: all entries
     q_index = torch.arange(Tl, device=x.device) + halo
     o = sparse_attn_thd(q, kv, q_index, seg, pos, seg_l, pos_l,
                         comp, idx, eseg, ej, attn.attn_sink, attn.window, attn.ratio or 1, attn.scale)

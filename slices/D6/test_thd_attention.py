@@ -136,3 +136,19 @@ def test_packed_attention_bf16(layer):
             rows = torch.nonzero(seg == d).flatten()
             ref = attn(h[:, rows])[0].float()
             assert (out[0, rows].float() - ref).abs().max().item() <= 2 ** -7 * ref.abs().max().item()
+
+
+def test_packed_dense_mode_eval_equals_separate():
+    """indexer_loss_mode="dense" is a model phase (all causal entries attended, also in eval)."""
+    cfg = get_config("debug", indexer_loss_mode="dense")
+    torch.manual_seed(0)
+    attn = DSv4Attention(cfg, 1).eval()
+    _randomize(attn)
+    cu, cup, T = _cu(False)
+    h = torch.randn(1, T, cfg.hidden_size)
+    seg, _ = thd.seg_pos_from_cu_seqlens(cu, T, cup)
+    with torch.no_grad():
+        out = thd.thd_attention_forward(attn, h, cu, cup)
+        for d in range(len(LENS)):
+            rows = torch.nonzero(seg == d).flatten()
+            assert (out[0, rows] - attn(h[:, rows])[0]).abs().max().item() <= TOL
