@@ -208,10 +208,9 @@ def simulate_cp_attention(attn, h: torch.Tensor, cu_seqlens, cp: int, cu_seqlens
     for r in range(cp):
         s, e = contiguous_chunk(T, cp, r)
         seg, pos = rank_layout(cu_seqlens, T, cp, r, halo, cu_seqlens_padded)
-        rows = torch.arange(s - halo, e)
-        rows = rows.to(h.device)
-        x = torch.where((rows >= 0)[:, None], h[0, rows.clamp(min=0)], torch.zeros((), device=h.device))   # [halo + C, d]
-        ranks.append((x, seg, pos))
+        rows = torch.arange(s - halo, e, device=h.device)                      # halo rows, then the chunk
+        x = torch.where((rows >= 0)[:, None], h[0, rows.clamp(min=0)], torch.zeros((), device=h.device))
+        ranks.append((x, seg.to(h.device), pos.to(h.device)))                  # x [halo + C, d]
 
     local = [[] for _ in range(cp)]                 # phase 1: every rank's locally closed entries, per call
 
