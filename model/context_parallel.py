@@ -47,6 +47,16 @@ def cp_group():
 # ---------------------------------------------------------------------------------------------- layout (D7)
 
 
+def cu_seqlens_from_packed_seq_params(psp):
+    """(cu_seqlens, cu_seqlens_padded) of a Megatron `PackedSeqParams` for CP; DSv4 CP needs
+    cp_partition_mode 'contiguous' (rank-major chunks), not TE's 'zigzag'."""
+    from .thd import from_packed_seq_params
+    mode = getattr(psp, "cp_partition_mode", "contiguous")
+    if mode != "contiguous":
+        raise THDError(f"packed_seq_params.cp_partition_mode: DSv4 CP needs 'contiguous', got {mode!r}")
+    return from_packed_seq_params(psp)
+
+
 def contiguous_chunk(T: int, cp: int, rank: int) -> tuple[int, int]:
     """[start, end) of rank's chunk in a stream of T tokens split into cp contiguous rank-major chunks."""
     if cp < 1 or not 0 <= rank < cp:

@@ -75,3 +75,13 @@ def test_left_halo_and_gather_entries(ws, C, halo):
         rows = torch.arange(r * n_max, r * n_max + n, dtype=torch.float64)
         want = (rows[:, None] + 1).expand(n, 3) * sum(q + 1 for q in range(ws))  # d/dcomp of sum_q loss_q
         assert torch.equal(res[r]["comp_grad"], want)
+
+
+def test_packed_seq_params_partition_mode():
+    from types import SimpleNamespace
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    ok = SimpleNamespace(qkv_format="thd", cu_seqlens_q=cu, cp_partition_mode="contiguous")
+    assert cpl.cu_seqlens_from_packed_seq_params(ok)[0].tolist() == [0, 3, 8]
+    with pytest.raises(THDError, match="contiguous"):
+        cpl.cu_seqlens_from_packed_seq_params(SimpleNamespace(qkv_format="thd", cu_seqlens_q=cu,
+                                                              cp_partition_mode="zigzag"))
