@@ -34,7 +34,7 @@ import click
 import torch
 
 from dsv4.harness import checkpoint as ckpt
-from dsv4.harness.data import GPTSamples, IndexedTokens, build_text_dataset
+from dsv4.harness.data import DataError, GPTSamples, IndexedTokens, build_text_dataset, text_documents
 from dsv4.harness.flops import flops_per_token
 from dsv4.harness.optim import build_optimizer, lr_at
 from dsv4.model.config import ConfigError, DSv4Config, get_config
@@ -59,6 +59,7 @@ class Recipe:
     threads: int = 1
     save_interval: int = 0
     backend: str = "naive"          # kernel backend of the model: naive | triton
+    text: tuple = ()                # text files for the corpus; () = the default offline stdlib corpus
 
 
 RECIPES = {
@@ -162,10 +163,11 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
     cfg = get_config(recipe.config)
-    data_info = build_text_dataset(os.path.join(out, "data", "stdlib_text"))
+    docs = text_documents(list(recipe.text)) if recipe.text else None
+    data_info = build_text_dataset(os.path.join(out, "data", "corpus"), docs)
     if data_info["tokens"] and cfg.vocab_size < 256:
         raise TrainError(f"train.config: vocab_size {cfg.vocab_size} < 256 cannot hold byte tokens")
-    samples = GPTSamples(IndexedTokens(os.path.join(out, "data", "stdlib_text")), recipe.seq_len, seed)
+    samples = GPTSamples(IndexedTokens(os.path.join(out, "data", "corpus")), recipe.seq_len, seed)
 
     torch.manual_seed(seed)
     model = model_factory(cfg).to(device)
@@ -185,7 +187,8 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
         m_state, o_state, rng, meta = ckpt.load_checkpoint(resume)
         def core(r):
             return {k: v for k, v in r.items() if k not in ("steps", "save_interval")}
-        if meta["config_hash"] != config_hash(cfg) or core(meta["recipe"]) != core(asdict(recipe)):
+        now = json.loads(json.dumps(asdict(recipe)))                        # tuples -> lists, as stored
+        if meta["config_hash"] != config_hash(cfg) or core(meta["recipe"]) != core(now):
             raise TrainError(f"resume: checkpoint {resume!r} was made with another recipe/config")
         if meta["seed"] != seed:
             raise TrainError(f"resume: checkpoint seed {meta['seed']} != --seed {seed}")
@@ -308,12 +311,15 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
 @click.option("--save-interval", type=int, default=None, help="checkpoint every K steps (0 = never)")
 @click.option("--threads", type=int, default=None, help="CPU threads (determinism needs a fixed count)")
 @click.option("--backend", type=click.Choice(["naive", "triton"]), default=None, help="model kernel backend")
+@click.option("--text", "text", multiple=True, type=click.Path(), help="text file(s) for the corpus (repeatable; "
+              "default: the offline stdlib corpus)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON summary on stdout")
-def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, threads, backend, as_json):
+def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, threads, backend, text, as_json):
     """Train a DSv4 model on one device (debug: seconds on CPU; tiny: the CPU loss-curve golden)."""
     r = RECIPES[recipe]
     kw = {k: v for k, v in dict(steps=steps, device=device, dtype=dtype, save_interval=save_interval,
-                                 threads=threads, backend=backend).items() if v is not None}
+                                 threads=threads, backend=backend, text=tuple(text) or None).items()
+          if v is not None}
     try:
         if steps is not None and steps < 1:
             raise TrainError(f"train.steps: must be >= 1, got {steps}")
@@ -325,7 +331,7 @@ def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, th
             raise TrainError("train.steps: --resume needs --steps (the total number of steps)")
         r = Recipe(**{**asdict(r), **kw})
         res = train(r, out or os.path.join("runs", recipe), seed=seed, resume=resume, progress=True)
-    except (TrainError, ConfigError, ckpt.CheckpointError) as e:
+    except (TrainError, ConfigError, DataError, ckpt.CheckpointError) as e:
         click.echo(f"error: {str(e).splitlines()[0]}", err=True)
         sys.exit(2)
     if as_json:

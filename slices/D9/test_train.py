@@ -71,6 +71,11 @@ def test_resume_is_exact(tmp_path):
     assert [h["step"] for h in hb] == list(range(5, 13))
     for k in EXACT:
         assert [h[k] for h in ha[4:]] == [h[k] for h in hb], k
+    # resuming with another seed or recipe is refused (exit 2, one line)
+    for extra in (["--seed", "7"], ["--dtype", "bf16"]):
+        r = CliRunner().invoke(train_cmd, ["--recipe", "debug", "--steps", "12", "--out", str(tmp_path / "C"),
+                                           "--resume", str(A)] + extra)
+        assert r.exit_code == 2 and "resume" in r.stderr and r.stderr.count("\n") == 1, r.output
     ga, gb = json.load(open(A / "golden_values.json")), json.load(open(B / "golden_values.json"))
     assert ga["lm loss"] == gb["lm loss"] and ga["num-zeros"] == gb["num-zeros"]   # full 1..12 curve
     ma, _, _, meta_a = ck.load_checkpoint(str(A))
@@ -158,8 +163,16 @@ def test_sigkill_mid_write_leaves_previous_checkpoint_loadable(tmp_path, delay):
     assert not [n for n in os.listdir(d) if n.startswith(".tmp-")]
 
 
+def test_text_corpus_option(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("the quick brown fox jumps over the lazy dog\n" * 40)
+    a = _run(["--recipe", "debug", "--steps", "2", "--text", str(f), "--out", str(tmp_path / "T"), "--json"])
+    run = json.load(open(tmp_path / "T" / "run.json"))
+    assert run["data"]["tokens"] == len(f.read_text().encode()) and len(a["lm loss"]) == 2
+
+
 def test_bad_input_exit_2(tmp_path):
-    for args in (["--recipe", "debug", "--steps", "0"],
+    for args in (["--recipe", "debug", "--steps", "2", "--text", str(tmp_path / "missing.txt")],["--recipe", "debug", "--steps", "0"],
                  ["--recipe", "debug", "--steps", "3", "--resume", str(tmp_path / "none")],
                  ["--recipe", "nope"]):
         r = CliRunner().invoke(train_cmd, args + ["--out", str(tmp_path / "o")])
