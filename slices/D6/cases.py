@@ -60,3 +60,20 @@ def thd_model_packed():
     with torch.no_grad():
         out = thd.packed_model_forward(model, ids, labels, cu, cup)
     return {"logits": out.logits[..., :16], "mtp_logits": out.mtp_logits[..., :16], "loss": out.loss.item()}
+
+
+@golden_case("thd_indexer_loss_packed", tol={"indexer_loss": (1e-7, 1e-4)})
+def thd_indexer_loss_packed():
+    """Training mode, CSA layer, window 12, sparse indexer loss on the packed stream (document-local teacher)."""
+    from dsv4.model import thd
+    from dsv4.model.attention import DSv4Attention
+    from dsv4.model.config import get_config
+    torch.manual_seed(0)
+    attn = DSv4Attention(get_config("debug", sliding_window=12), 1).train()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.5) + (1.0 if p.dim() == 1 else 0))
+    h = torch.randn(1, CUP[-1], 64, generator=torch.Generator().manual_seed(2))
+    thd.thd_attention_forward(attn, h, torch.tensor(CU), torch.tensor(CUP))
+    return {"indexer_loss": attn.indexer_loss.item(), "queries": attn.indexer_loss_queries}
