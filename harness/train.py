@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, asdict
 
 import click
+import numpy as np
 import torch
 
 from dsv4.harness import checkpoint as ckpt
@@ -60,6 +61,7 @@ class Recipe:
     save_interval: int = 0
     backend: str = "naive"          # kernel backend of the model: naive | triton
     text: tuple = ()                # text files for the corpus; () = the default offline stdlib corpus
+    packing: bool = False           # THD: documents packed into one [1, B*S] row per step (P7 scheduler)
 
 
 RECIPES = {
@@ -122,9 +124,57 @@ def _atomic_json(path: str, data) -> None:
     os.replace(tmp, path)
 
 
+_FLOPS_CACHE: dict = {}
+
+
+def _flops_cached(cfg: DSv4Config, n: int) -> float:
+    key = (config_hash(cfg), n)
+    if key not in _FLOPS_CACHE:
+        _FLOPS_CACHE[key] = flops_per_token(cfg, n)["total_training_flops_per_token"]
+    return _FLOPS_CACHE[key]
+
+
 def build_model(cfg: DSv4Config):
     from dsv4.model import model as _m                                     # imported late: model is big
     return _m.DSv4Model(cfg)
+
+
+class PackedSource:
+    """THD batches (slice P7 scheduler, dp_size 1): every step packs whole documents into one row of
+    `capacity` tokens with cu_seqlens; documents are shuffled per epoch from (seed, epoch). Step k of the run is
+    a pure function of (seed, k), so resuming is exact. Labels are next tokens inside each document."""
+
+    def __init__(self, data: IndexedTokens, capacity: int, seed: int):
+        from dsv4.harness.packing import schedule
+        self.data, self.capacity, self.seed, self._schedule = data, capacity, seed, schedule
+        self.epochs: dict = {}
+
+    def _epoch(self, e: int):
+        if e not in self.epochs:
+            order = np.random.RandomState((self.seed * 1_000_003 + 7919 * e + 1) % 2**32).permutation(len(self.data))
+            view = _Reordered(self.data, order)
+            self.epochs = {e: (view, self._schedule(view.lengths, dp_size=1, tokens_per_rank=self.capacity))}
+        return self.epochs[e]
+
+    def batch(self, k: int) -> dict:
+        """Step k (0-based) -> materialized packed micro-batch (numpy)."""
+        from dsv4.harness.packing import materialize
+        e = 0
+        while True:
+            view, steps = self._epoch(e)
+            if k < len(steps):
+                return materialize(steps[k][0], view)
+            k -= len(steps)
+            e += 1
+
+
+class _Reordered:
+    def __init__(self, data, order):
+        self.data, self.order = data, order
+        self.lengths = [int(data.lengths[i]) for i in order]
+
+    def __getitem__(self, i):
+        return self.data[int(self.order[i])].astype(np.int64)
 
 
 # ------------------------------------------------------------------------------------------------ the loop
@@ -167,7 +217,12 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
     data_info = build_text_dataset(os.path.join(out, "data", "corpus"), docs)
     if data_info["tokens"] and cfg.vocab_size < 256:
         raise TrainError(f"train.config: vocab_size {cfg.vocab_size} < 256 cannot hold byte tokens")
-    samples = GPTSamples(IndexedTokens(os.path.join(out, "data", "corpus")), recipe.seq_len, seed)
+    corpus = IndexedTokens(os.path.join(out, "data", "corpus"))
+    if recipe.packing:
+        packed_src = PackedSource(corpus, recipe.batch_size * recipe.seq_len, seed)
+        from dsv4.model.thd import packed_model_forward
+    else:
+        samples = GPTSamples(corpus, recipe.seq_len, seed)
 
     torch.manual_seed(seed)
     model = model_factory(cfg).to(device)
@@ -228,14 +283,27 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
         t0 = time.perf_counter()
         lr = lr_at(step, recipe.lr, recipe.warmup, recipe.steps, recipe.min_lr)
         opt.set_lr(lr)
-        x, y = samples.batch((step - 1) * recipe.batch_size, recipe.batch_size)
-        x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
+        if recipe.packing:
+            pb = packed_src.batch(step - 1)
+            x = torch.from_numpy(pb["tokens"])[None].to(device)               # [1, B*S]
+            y = torch.from_numpy(pb["labels"])[None].to(device)
+            cu = torch.from_numpy(pb["cu_seqlens"]).to(device)
+            cup = torch.from_numpy(pb["cu_seqlens_padded"]).to(device)
+            lens = np.diff(pb["cu_seqlens"])
+            real_tokens = int(lens.sum())
+            step_flops = sum(int(n) * _flops_cached(cfg, int(n)) for n in lens)   # per document: Megatron's sum L_i^2
+            fwd = lambda: packed_model_forward(model, x, y, cu, cup)          # noqa: E731
+        else:
+            x, y = samples.batch((step - 1) * recipe.batch_size, recipe.batch_size)
+            x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
+            real_tokens, step_flops = tokens_per_step, fl * tokens_per_step
+            fwd = lambda: model(x, y)                                         # noqa: E731
         opt.zero_grad(set_to_none=True)
         if amp is not None:
             with amp:
-                o = model(x, y)
+                o = fwd()
         else:
-            o = model(x, y)
+            o = fwd()
         o.loss.backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -252,8 +320,8 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         rec = {"step": step, "lr": lr, "total loss": float(o.loss.detach()), "grad-norm": gnorm,
-               "num-zeros": float(num_zeros), "iteration-time": dt, "tokens-per-sec": tokens_per_step / dt,
-               "tflops": fl * tokens_per_step / dt / 1e12, "fwd-bwd-time": t_fb,
+               "num-zeros": float(num_zeros), "iteration-time": dt, "tokens-per-sec": real_tokens / dt,
+               "tflops": step_flops / dt / 1e12, "fwd-bwd-time": t_fb, "tokens": float(real_tokens),
                "optimizer-time": dt - t_fb}
         rec.update({k: float(v) for k, v in o.losses.items()})
         imb = [max(v) * len(v) / sum(v) for v in step_loads.values() if sum(v)]
@@ -313,12 +381,15 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
 @click.option("--backend", type=click.Choice(["naive", "triton"]), default=None, help="model kernel backend")
 @click.option("--text", "text", multiple=True, type=click.Path(), help="text file(s) for the corpus (repeatable; "
               "default: the offline stdlib corpus)")
+@click.option("--packing/--no-packing", default=None, help="THD: pack whole documents into one row per step")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON summary on stdout")
-def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, threads, backend, text, as_json):
+def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, threads, backend, text, packing,
+              as_json):
     """Train a DSv4 model on one device (debug: seconds on CPU; tiny: the CPU loss-curve golden)."""
     r = RECIPES[recipe]
     kw = {k: v for k, v in dict(steps=steps, device=device, dtype=dtype, save_interval=save_interval,
-                                 threads=threads, backend=backend, text=tuple(text) or None).items()
+                                 threads=threads, backend=backend, text=tuple(text) or None,
+                                 packing=packing).items()
           if v is not None}
     try:
         if steps is not None and steps < 1:
