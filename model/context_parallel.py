@@ -277,13 +277,16 @@ def cp_model_forward(model, input_ids: torch.Tensor, labels: torch.Tensor | None
     def mtp_fwd(orig):
         return lambda X, e_next, ids_next, positions=None: orig(X, model.embed(ids_roll), ids_roll, positions)
 
+    recompute = getattr(model, "recompute", False)      # whole-block recompute would re-run after the patch
     try:
+        model.recompute = False
         for a in attns:
             a.forward = attn_fwd(a)
         for blk in mtps:
             blk.forward = mtp_fwd(type(blk).forward.__get__(blk))
         out = model(input_ids)
     finally:
+        model.recompute = recompute
         for m in attns + mtps:
             m.__dict__.pop("forward", None)
     if labels is None:

@@ -385,6 +385,8 @@ def packed(model, cu_seqlens, cu_seqlens_padded=None):
     `thd_attention_forward` (document-local windows, compression, indexer, RoPE positions) and the MTP block
     reads ids_next rolled inside each document (model/mtp_roll.py). Everything else in the model is per token.
     The packed path runs the naive THD kernels of this file whatever the modules' `backend` is.
+    Whole-block recompute (`model.set_recompute`) is switched off inside the context: its backward re-run would
+    happen after the context has restored the SBHD forwards (recompute_mhc, which re-runs only hc_pre, stays).
     """
     from .mtp_roll import roll_packed
     attns = [m for m in model.modules() if type(m).__name__ == "DSv4Attention"]
@@ -405,7 +407,10 @@ def packed(model, cu_seqlens, cu_seqlens_padded=None):
         return fwd
 
     saved = {id(m): m.__dict__.get("forward") for m in attns + mtps}       # restore earlier instance patches
+    recompute = getattr(model, "recompute", False)
     try:
+        if recompute:
+            model.recompute = False
         for a in attns:
             a.forward = attn_fwd(a)
         for blk in mtps:
@@ -416,6 +421,8 @@ def packed(model, cu_seqlens, cu_seqlens_padded=None):
             m.__dict__.pop("forward", None)
             if saved[id(m)] is not None:
                 m.forward = saved[id(m)]
+        if recompute:
+            model.recompute = recompute
 
 
 def packed_model_forward(model, input_ids: torch.Tensor, labels: torch.Tensor | None = None,

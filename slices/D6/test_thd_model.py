@@ -111,3 +111,23 @@ def test_harness_packing_output_runs_packed(tail):
             assert (ref.logits[0] - out.logits[0, o:o + s.length]).abs().max() <= TOL
             assert (ref.mtp_logits[0] - out.mtp_logits[0, o:o + s.length]).abs().max() <= TOL
     assert torch.isfinite(out.loss)
+
+
+def test_packed_forward_with_block_recompute_keeps_gradients():
+    """`model.set_recompute(True)` re-runs blocks in backward, after the packed context has ended: the packed
+    forward must not let that re-run use the unpacked attention (it switches block recompute off inside)."""
+    model = _model()
+    cu = torch.tensor([0, 6, 27, 30])
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 30), generator=torch.Generator().manual_seed(5))
+    params = list(model.parameters())
+
+    def grads(recompute):
+        model.set_recompute(recompute)
+        out = thd.packed_model_forward(model, ids, None, cu)
+        return torch.autograd.grad(out.logits.square().sum(), params, allow_unused=True)
+
+    g0, g1 = grads(False), grads(True)
+    assert model.recompute is True                                              # restored after the call
+    for a, b in zip(g0, g1):
+        if a is not None or b is not None:
+            assert torch.equal(a, b)
