@@ -40,8 +40,11 @@ from dsv4.harness.flops import flops_per_token
 from dsv4.harness.optim import build_optimizer, lr_at
 from dsv4.model.config import ConfigError, DSv4Config, get_config
 
-GOLDEN_METRICS = ("lm loss", "mtp_1 loss", "indexer loss", "moe aux loss", "total loss", "num-zeros",
-                  "grad-norm", "iteration-time", "mem-allocated-bytes", "mem-max-allocated-bytes")
+# Metrics written to golden_values.json: Megatron's exported set plus "indexer loss" -- the ones the harness's
+# threshold table (harness/thresholds.py) judges. Everything else (grad-norm, moe aux loss, tokens/s, TFLOP/s,
+# lr, fwd/bwd vs optimizer time, moe-max-over-mean) is in metrics.jsonl and TensorBoard.
+GOLDEN_METRICS = ("lm loss", "mtp_1 loss", "indexer loss", "total loss", "num-zeros", "iteration-time",
+                  "mem-allocated-bytes", "mem-max-allocated-bytes")
 
 
 @dataclass
