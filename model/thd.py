@@ -221,28 +221,30 @@ def sparse_attn_thd(q: torch.Tensor, kv: torch.Tensor, q_index: torch.Tensor,
     wvalid = inb & (seg_k[widx_c] == seg_q[:, None]) & (seg_q[:, None] >= 0) \
         & (pos_k[widx_c] <= pos_q[:, None]) & (pos_k[widx_c] > (pos_q - window)[:, None])
     wkeys = kv[widx_c]                                                          # [Tq, W, c]
-    logits = [torch.einsum("thc,twc->thw", _acc(q), _acc(wkeys)) * scale]   # [Tq, H, W]
-    masks = [wvalid]
-    vals = [wkeys]
+    qf = _acc(q)
+    lw = torch.einsum("thc,twc->thw", qf, _acc(wkeys)) * scale                  # [Tq, H, W]
+    lw = lw.masked_fill(~wvalid[:, None, :], float("-inf"))
+    lc, cvals = None, None
     if comp is not None and comp.shape[0] > 0:
         if comp_idx is not None:                                                # CSA: listed entries
             cidx = comp_idx.clamp(min=0)
             cvalid = (comp_idx >= 0) & (entry_seg[cidx] == seg_q[:, None]) \
                 & (entry_j[cidx] < ((pos_q + 1) // ratio)[:, None])
-            ckeys = comp[cidx]                                                  # [Tq, k, c]
-            logits.append(torch.einsum("thc,tkc->thk", _acc(q), _acc(ckeys)) * scale)
+            cvals = _acc(comp[cidx])                                            # [Tq, k, c]
+            lc = torch.einsum("thc,tkc->thk", qf, cvals) * scale                # [Tq, H, k]
         else:                                                                   # HCA: all visible entries
             cvalid = causal_entry_mask(seg_q, pos_q, entry_seg, entry_j, ratio)  # [Tq, N]
-            ckeys = comp[None].expand(Tq, -1, -1)                               # [Tq, N, c] (view)
-            logits.append(torch.einsum("thc,nc->thn", _acc(q), _acc(comp)) * scale)
-        masks.append(cvalid)
-        vals.append(ckeys)
-    mask = torch.cat(masks, dim=1)                                              # [Tq, W+K]
-    lg = torch.cat(logits, dim=2).masked_fill(~mask[:, None, :], float("-inf"))  # [Tq, H, W+K]
-    lg = torch.cat([lg, _acc(sink).view(1, H, 1).expand(Tq, H, 1)], dim=2)     # + sink column
-    p = torch.softmax(lg, dim=-1)[..., :-1]                                      # drop the sink (no value)
-    v = _acc(torch.cat(vals, dim=1))                                            # [Tq, W+K, c]
-    o = torch.einsum("thk,tkc->thc", p, v)
+            lc = torch.einsum("thc,nc->thn", qf, _acc(comp)) * scale            # [Tq, H, N]
+        lc = lc.masked_fill(~cvalid[:, None, :], float("-inf"))
+    # one softmax over window + compressed + sink (spec §5.3); the values are applied per branch, so the
+    # [Tq, W + K, c] key/value concatenation is never built
+    ls = _acc(sink).view(1, H, 1).expand(Tq, H, 1)
+    lse = torch.logsumexp(torch.cat([lw, ls] if lc is None else [lw, lc, ls], dim=2), dim=2, keepdim=True)
+    o = torch.einsum("thw,twc->thc", torch.exp(lw - lse), _acc(wkeys))
+    if lc is not None:
+        pc = torch.exp(lc - lse)
+        o = o + (torch.einsum("thk,tkc->thc", pc, cvals) if cvals is not None
+                 else torch.einsum("thn,nc->thc", pc, _acc(comp)))
     return o.to(q.dtype)
 
 
