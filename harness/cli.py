@@ -296,7 +296,8 @@ def bench_grp():
 @click.argument("run", type=click.Path(exists=True))
 @click.argument("golden", type=click.Path(exists=True))
 @click.option("--mode", default="deterministic", type=click.Choice(["deterministic", "approximate"]))
-@click.option("--metrics", default=None, help="Comma list (default: every metric in the golden).")
+@click.option("--metrics", default=None,
+              help="Comma list (default, as Megatron: lm loss, num-zeros and mtp_1 loss when present).")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False), default=None,
               help="Write a Markdown report with PNG plots here.")
 @click.option("--json", "as_json", is_flag=True)

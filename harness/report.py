@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from . import goldens as G
-from .thresholds import CHECK_THRESHOLDS, compare_metric
+from .thresholds import CHECK_THRESHOLDS, DEFAULT_METRICS, compare_metric
 
 METRIC_KEYS = {"start_step", "end_step", "step_interval", "values"}
 
@@ -46,7 +46,8 @@ def load_curves(path: Path) -> tuple[dict, dict]:
 def compare_files(run: Path, golden: Path, mode: str, metrics: list[str] | None) -> dict:
     rc, rprov = load_curves(run)
     gc, gprov = load_curves(golden)
-    names = metrics or list(gc)
+    # default as Megatron: lm loss and num-zeros (+ mtp_1 loss); timing and memory only when asked for
+    names = metrics or [m for m in DEFAULT_METRICS if m in gc] or list(gc)
     missing = [m for m in names if m not in gc]
     if missing:
         raise G.GoldenError(f"{golden}: golden has no metric {missing[0]!r}")

@@ -57,8 +57,10 @@ def import_run(logdir: Path, platform: str, sl, name: str, step_interval: int, m
         raise G.GoldenError(f"--step-interval: must be >= 1, got {step_interval}")
     doc = to_golden(read_scalars(logdir), step_interval, metrics)
     path = G.GOLDENS / platform / sl.name / f"{name}.golden_values.json"
-    prov = G.provenance(platform, command=f"dsv4 goldens import {logdir} --platform {platform} --slice {sl.id}")
-    prov.update(source_logdir=str(logdir), note="imported from a Megatron TensorBoard run")
+    importer = G.provenance(platform, command=f"dsv4 goldens import {logdir} --platform {platform} --slice {sl.id}")
+    # the run was made elsewhere: its software versions are not ours; keep the importer's apart
+    prov = {"platform": platform, "source_logdir": str(logdir), "source": "Megatron TensorBoard event files",
+            "run_git_sha": None, "run_torch": None, "imported_by": importer}
     G.atomic_write_json(path.with_name(f"{name}.golden_values.provenance.json"), prov)
     G.atomic_write_json(path, doc)
     return path, doc

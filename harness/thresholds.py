@@ -24,9 +24,12 @@ CHECK_THRESHOLDS: dict[str, dict[str, tuple[float, float]]] = {
     "total loss": {"deterministic": (0.0, 0.0), "approximate": (0.0, 0.05)},
     "indexer loss": {"deterministic": (0.0, 0.0), "approximate": (0.0, 0.05)},
     "num-zeros": {"deterministic": (0.0, 0.0), "approximate": (0.0, 0.20)},
+    # DSv4 additions (not in Megatron's table): auxiliary losses behave like losses, grad norm like num-zeros
+    "moe aux loss": {"deterministic": (0.0, 0.0), "approximate": (0.0, 0.05)},
+    "grad-norm": {"deterministic": (0.0, 0.0), "approximate": (0.0, 0.20)},
     "flops": {"deterministic": (0.0, 0.0), "approximate": (0.0, 0.0)},   # FLOPs are always exact
 }
-DEFAULT_METRICS = ("lm loss", "num-zeros")
+DEFAULT_METRICS = ("lm loss", "num-zeros", "mtp_1 loss")   # Megatron's default METRICS (+ MTP when present)
 MODES = ("deterministic", "approximate")
 
 

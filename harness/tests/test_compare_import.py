@@ -37,7 +37,7 @@ def test_import_matches_megatron_format(tmp_path, monkeypatch):
     assert doc["num-zeros"]["values"]["3"] == "nan"
     assert doc["lm loss"]["start_step"] == 1 and doc["lm loss"]["end_step"] == 12
     prov = json.loads(path.with_name("run1.golden_values.provenance.json").read_text())
-    assert prov["platform"] == "h100" and prov["source_logdir"].endswith("tb")
+    assert prov["platform"] == "h100" and prov["source_logdir"].endswith("tb") and "torch" in prov["imported_by"]
     # step interval 5 samples step 1 and multiples of 5, as Megatron's convergence goldens
     doc5 = TB.to_golden(TB.read_scalars(tmp_path / "tb"), 5)
     assert list(doc5["lm loss"]["values"]) == ["1", "5", "10"]
