@@ -14,7 +14,11 @@ def _curve(recipe: str, steps: int | None = None) -> dict:
         res = train(r, d, seed=1234, progress=False)
         import json
         hist = [json.loads(line) for line in open(f"{d}/metrics.jsonl")]
-    return {"lm_loss": torch.tensor([h["lm loss"] for h in hist], dtype=torch.float64),
+        gv = json.load(open(f"{d}/golden_values.json"))
+    # the same curve in Megatron's golden-values format, for `dsv4 compare RUN goldens/cpu/D9/<case>.json`;
+    # only the metrics that are deterministic on a CPU (timing is not)
+    curve = {m: gv[m] for m in ("lm loss", "mtp_1 loss", "num-zeros") if m in gv}
+    return {"curve": curve, "lm_loss": torch.tensor([h["lm loss"] for h in hist], dtype=torch.float64),
             "mtp_1_loss": torch.tensor([h["mtp_1 loss"] for h in hist], dtype=torch.float64),
             "num_zeros": torch.tensor([int(h["num-zeros"]) for h in hist], dtype=torch.int64),
             "steps": len(hist), "lm_loss_first": res["lm_loss_first"], "lm_loss_last": res["lm_loss_last"]}
