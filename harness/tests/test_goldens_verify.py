@@ -159,3 +159,27 @@ def test_cli_slices_json_is_one_document():
     doc = json.loads(r.stdout)
     ids = {s["id"]: s for s in doc["slices"]}
     assert len(ids) == 24 and ids["D2"]["depends_on"] == ["D1", "P6"]
+
+
+def test_cli_verify_real_slice_p6_passes_then_fails_on_a_perturbed_golden(tmp_path):
+    """The 'done when' of the harness issue, on the real P6 goldens: pass (0), one value perturbed (1)."""
+    import shutil
+    gold = tmp_path / "goldens"
+    shutil.copytree(G.GOLDENS / "cpu" / "P6", gold / "cpu" / "P6")
+    env = dict(os.environ, DSV4_GOLDENS_DIR=str(gold))
+    cmd = [sys.executable, "-m", "dsv4.harness.cli", "verify", "--slice", "P6", "--skip-tests", "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["slices"][0]["n_pass"] >= 2
+    p = sorted((gold / "cpu" / "P6").glob("*.json"))[0]
+    g = json.loads(p.read_text())
+    name, out = next((k, o) for k, o in g["outputs"].items() if o["kind"] == "tensor" and o["dtype"].startswith("float"))
+    out["values"][0] += 1e-3
+    p.write_text(json.dumps(g))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert r.returncode == 1
+    bad = [c for c in json.loads(r.stdout)["slices"][0]["checks"] if c["verdict"] == "fail"]
+    assert [c["check"] for c in bad] == [f"{p.stem}.{name}"]
+    p.unlink()                                                   # a missing golden: cannot judge
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert r.returncode == 2
