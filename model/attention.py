@@ -84,8 +84,15 @@ class DSv4Attention(nn.Module):
         nn.init.zeros_(self.attn_sink)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor | None = None,
-                backend: str | None = None) -> torch.Tensor:
-        """h [B,S,d], positions [S] long (default 0..S-1) -> [B,S,d]."""
+                backend: str | None = None, cu_seqlens: torch.Tensor | None = None,
+                cu_seqlens_padded: torch.Tensor | None = None) -> torch.Tensor:
+        """h [B,S,d], positions [S] long (default 0..S-1) -> [B,S,d].
+
+        Packed THD input (slice D6): h [1, T, d] with `cu_seqlens` (+ `cu_seqlens_padded`) runs the
+        document-local path of model/thd.py (positions then restart per document and are not used)."""
+        if cu_seqlens is not None:
+            from .thd import thd_attention_forward
+            return thd_attention_forward(self, h, cu_seqlens, cu_seqlens_padded)
         backend = backend or self.backend
         B, S, _ = h.shape
         H, c, g = self.n_heads, self.head_dim, self.o_groups

@@ -64,11 +64,15 @@ class DSv4Model(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                return_logits: bool = True) -> DSv4Output:
+                return_logits: bool = True, cu_seqlens: torch.Tensor | None = None,
+                cu_seqlens_padded: torch.Tensor | None = None) -> DSv4Output:
         """input_ids [B, S] (int), labels [B, S] or None -> DSv4Output.
 
         return_logits=False (needs labels): the LM and MTP cross-entropies are computed by `head_cross_entropy`
         over row blocks, never holding the [B, S, V] logits (same loss; `logits`/`mtp_logits` are None)."""
+        if cu_seqlens is not None:      # packed THD input [1, T] (slice D6): documents run as if alone
+            from dsv4.model.thd import packed_model_forward
+            return packed_model_forward(self, input_ids, labels, cu_seqlens, cu_seqlens_padded)
         if not return_logits and labels is None:
             raise ValueError("DSv4Model.forward: return_logits=False needs labels")
         B, S = input_ids.shape

@@ -152,3 +152,15 @@ def test_packed_dense_mode_eval_equals_separate():
         for d in range(len(LENS)):
             rows = torch.nonzero(seg == d).flatten()
             assert (out[0, rows] - attn(h[:, rows])[0]).abs().max().item() <= TOL
+
+
+def test_forward_hook_cu_seqlens():
+    """DSv4Attention.forward(h, cu_seqlens=..., cu_seqlens_padded=...) is the packed path."""
+    cfg = get_config("debug")
+    torch.manual_seed(0)
+    attn = DSv4Attention(cfg, 1).eval()
+    _randomize(attn)
+    cu, cup, T = _cu(True)
+    h = torch.randn(1, T, cfg.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(attn(h, cu_seqlens=cu, cu_seqlens_padded=cup), thd.thd_attention_forward(attn, h, cu, cup))

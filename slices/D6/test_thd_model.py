@@ -131,3 +131,15 @@ def test_packed_forward_with_block_recompute_keeps_gradients():
     for a, b in zip(g0, g1):
         if a is not None or b is not None:
             assert torch.equal(a, b)
+
+
+def test_model_forward_hook_cu_seqlens():
+    """DSv4Model.forward(input_ids, labels, cu_seqlens=..., cu_seqlens_padded=...) is the packed path."""
+    model = _model()
+    cu, cup = torch.tensor([0, 6, 27, 30]), torch.tensor([0, 8, 30, 34])
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 34), generator=torch.Generator().manual_seed(6))
+    labels = torch.roll(ids, -1, 1)
+    with torch.no_grad():
+        a = model(ids, labels, cu_seqlens=cu, cu_seqlens_padded=cup)
+        b = thd.packed_model_forward(model, ids, labels, cu, cup)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.mtp_logits, b.mtp_logits) and torch.equal(a.loss, b.loss)
