@@ -55,9 +55,11 @@ class DSv4Group(click.Group):
         try:
             return getattr(importlib.import_module(mod), attr)
         except (ImportError, AttributeError) as e:
-            @click.command(name, help=f"(unavailable: {e})")
+            why = str(e)                 # `e` is unbound once the except block ends
+
+            @click.command(name, help=f"(unavailable: {why})")
             def _missing():
-                raise BadInput(f"command {name!r} is not available in this checkout ({e})")
+                raise BadInput(f"command {name!r} is not available in this checkout ({why})")
             return _missing
 
     def invoke(self, ctx):
@@ -276,9 +278,11 @@ class BenchGroup(click.Group):
             try:
                 cmd = importlib.import_module("dsv4.harness.bench").bench_cmd
             except (ImportError, AttributeError) as e:
-                @click.command("kernels", help=f"(unavailable: {e})")
+                why = str(e)
+
+                @click.command("kernels", help=f"(unavailable: {why})")
                 def _missing():
-                    raise BadInput(f"bench kernels is not available in this checkout ({e})")
+                    raise BadInput(f"bench kernels is not available in this checkout ({why})")
                 return _missing
             if isinstance(cmd, click.Group):
                 return cmd.get_command(ctx, "kernels") or cmd

@@ -106,11 +106,14 @@ class DSv4Model(nn.Module):
             return F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE)
         return head_cross_entropy(y.reshape(-1, y.shape[-1]), self.head.weight, labels.reshape(-1))
 
-    def _losses(self, logits, mtp_logits, labels, y=None, y_mtp=None):
+    def _losses(self, logits, mtp_logits, labels, y=None, y_mtp=None, mtp_labels=None):
+        """lm + w * mtp + indexer + MoE aux, and the detached parts under Megatron's metric names. `mtp_labels`
+        defaults to labels shifted by one (the packed path passes its per-document roll)."""
         lm = self._ce(logits, y, labels)
         loss, losses = lm, {"lm loss": lm.detach()}
         if mtp_logits is not None or y_mtp is not None:
-            mtp_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE)            # target of t is labels[t+1]
+            if mtp_labels is None:
+                mtp_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE)        # target of t is labels[t+1]
             mtp = self._ce(mtp_logits, y_mtp, mtp_labels)
             loss = loss + self.cfg.mtp_loss_scaling_factor * mtp
             losses["mtp_1 loss"] = mtp.detach()

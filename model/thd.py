@@ -435,8 +435,7 @@ def packed_model_forward(model, input_ids: torch.Tensor, labels: torch.Tensor | 
     (model/mtp_roll.py; a document's last token has no MTP target) + the indexer KL losses (training) + the
     MoE auxiliary losses (NOTE: the sequence-wise balance loss of model/moe.py sees the packed row as ONE
     sequence, not per document)."""
-    import torch.nn.functional as F
-    from .mtp_roll import IGNORE, mtp_inputs
+    from .mtp_roll import mtp_inputs
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise THDError(f"input_ids: packed input must be [1, T], got {tuple(input_ids.shape)}")
     if cu_seqlens is None:
@@ -445,21 +444,7 @@ def packed_model_forward(model, input_ids: torch.Tensor, labels: torch.Tensor | 
         out = model(input_ids)
     if labels is None:
         return out
-    V = out.logits.shape[-1]
-    lm = F.cross_entropy(out.logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE)
-    loss, losses = lm, {"lm loss": lm.detach()}
-    if out.mtp_logits is not None:
-        _, mtp_labels = mtp_inputs(input_ids, labels, cu_seqlens, cu_seqlens_padded)
-        mtp = F.cross_entropy(out.mtp_logits.float().reshape(-1, V), mtp_labels.reshape(-1), ignore_index=IGNORE)
-        loss = loss + model.cfg.mtp_loss_scaling_factor * mtp
-        losses["mtp_1 loss"] = mtp.detach()
-    idx_loss = [m.indexer_loss for m in model.modules() if getattr(m, "indexer_loss", None) is not None]
-    if idx_loss:
-        il = torch.stack([t.float() for t in idx_loss]).sum()
-        loss, losses["indexer loss"] = loss + il, il.detach()
-    aux = [m.aux_loss for m in model.modules() if getattr(m, "aux_loss", None) is not None]
-    if aux:
-        al = torch.stack([t.float() for t in aux]).sum()
-        loss, losses["moe aux loss"] = loss + al, al.detach()
-    out.loss, out.losses = loss, losses
+    mtp_labels = mtp_inputs(input_ids, labels, cu_seqlens, cu_seqlens_padded)[1] if out.mtp_logits is not None \
+        else None                                                                # rolled inside each document
+    out.loss, out.losses = model._losses(out.logits, out.mtp_logits, labels, mtp_labels=mtp_labels)
     return out

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 
-def compress_pool(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
-    """kv, gate [S,B,coff*D]; ape [m, coff*D] -> pooled entries [S//m, B, D] (coff = 2 if overlap else 1)."""
+def check_args(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool) -> None:
+    """The argument contract of compress_pool, shared by every backend (one-line errors)."""
     if ratio <= 0:
         raise ValueError(f"compress_pool: ratio must be positive, got {ratio}")
     S, B, W = kv.shape
@@ -27,6 +27,12 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio
         raise ValueError(f"compress_pool: ape shape {tuple(ape.shape)} != (ratio, coff*D) = {(ratio, W)}")
     if overlap and W % 2:
         raise ValueError(f"compress_pool: overlap needs an even channel count, got {W}")
+
+
+def compress_pool(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
+    """kv, gate [S,B,coff*D]; ape [m, coff*D] -> pooled entries [S//m, B, D] (coff = 2 if overlap else 1)."""
+    check_args(kv, gate, ape, ratio, overlap)
+    S, B, W = kv.shape
     D = W // 2 if overlap else W
     n = S // ratio
     if n == 0:

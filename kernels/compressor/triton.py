@@ -19,6 +19,8 @@ import triton.language as tl
 
 from dsv4.kernels._triton_util import interpreting, pow2
 
+from . import naive
+
 
 @triton.jit
 def _slots(w, b, d0, m, D, W, B, OVERLAP: tl.constexpr, MP: tl.constexpr, BD: tl.constexpr):
@@ -114,13 +116,5 @@ class _CompressPool(torch.autograd.Function):
 
 def compress_pool(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
     """kv, gate [S,B,coff*D]; ape [m, coff*D] -> pooled entries [S//m, B, D] (Triton, fused fwd/bwd)."""
-    if ratio <= 0:
-        raise ValueError(f"compress_pool: ratio must be positive, got {ratio}")
-    S, B, W = kv.shape
-    if gate.shape != kv.shape:
-        raise ValueError(f"compress_pool: gate shape {tuple(gate.shape)} != kv shape {tuple(kv.shape)}")
-    if tuple(ape.shape) != (ratio, W):
-        raise ValueError(f"compress_pool: ape shape {tuple(ape.shape)} != (ratio, coff*D) = {(ratio, W)}")
-    if overlap and W % 2:
-        raise ValueError(f"compress_pool: overlap needs an even channel count, got {W}")
+    naive.check_args(kv, gate, ape, ratio, overlap)
     return _CompressPool.apply(kv, gate, ape, ratio, bool(overlap))

@@ -19,8 +19,8 @@ def causal_entry_mask(S: int, T: int, ratio: int, device=None) -> torch.Tensor:
     return j[None, :] < torch.div(t + 1, ratio, rounding_mode="floor")[:, None]
 
 
-def indexer_scores(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: int) -> torch.Tensor:
-    """qI [S,B,nI,cI], kI [T,B,cI], w [S,B,nI] -> I [S,B,T] fp32 (fp64 for fp64 qI; -inf on non-causal entries)."""
+def check_scores_args(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: int) -> None:
+    """The argument contract of indexer_scores, shared by every backend (one-line errors)."""
     if ratio <= 0:
         raise ValueError(f"indexer_scores: ratio must be positive, got {ratio}")
     S, B, nI, cI = qI.shape
@@ -29,6 +29,13 @@ def indexer_scores(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: i
         raise ValueError(f"indexer_scores: kI shape {tuple(kI.shape)} != (T, B, cI) = {(T, B, cI)}")
     if tuple(w.shape) != (S, B, nI):
         raise ValueError(f"indexer_scores: w shape {tuple(w.shape)} != (S, B, nI) = {(S, B, nI)}")
+
+
+def indexer_scores(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: int) -> torch.Tensor:
+    """qI [S,B,nI,cI], kI [T,B,cI], w [S,B,nI] -> I [S,B,T] fp32 (fp64 for fp64 qI; -inf on non-causal entries)."""
+    check_scores_args(qI, kI, w, ratio)
+    S, B, nI, cI = qI.shape
+    T = kI.shape[0]
     dt = torch.promote_types(qI.dtype, torch.float32)                          # fp32 (fp64 stays fp64)
     logits = torch.einsum("sbhc,tbc->sbht", qI.to(dt), kI.to(dt))           # [S, B, nI, T]
     scores = torch.relu(logits) * cI ** -0.5

@@ -22,6 +22,8 @@ import triton.language as tl
 
 from dsv4.kernels._triton_util import configs, interpreting, pow2
 
+from . import naive
+
 _FWD_CONFIGS = configs(gpu=[dict(BT=64, BJ=64, num_warps=4, num_stages=3), dict(BT=128, BJ=64, num_warps=8, num_stages=3)],
                        cpu=dict(BT=16, BJ=16))
 _BWD_CONFIGS = configs(gpu=[dict(BT=64, BJ=64, num_warps=4, num_stages=2)], cpu=dict(BT=16, BJ=16))
@@ -178,14 +180,7 @@ class _IndexerScores(torch.autograd.Function):
 
 def indexer_scores(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: int) -> torch.Tensor:
     """qI [S,B,nI,cI], kI [T,B,cI], w [S,B,nI] -> I [S,B,T] fp32 (-inf on non-causal entries), Triton."""
-    if ratio <= 0:
-        raise ValueError(f"indexer_scores: ratio must be positive, got {ratio}")
-    S, B, nI, cI = qI.shape
-    T = kI.shape[0]
-    if tuple(kI.shape) != (T, B, cI):
-        raise ValueError(f"indexer_scores: kI shape {tuple(kI.shape)} != (T, B, cI) = {(T, B, cI)}")
-    if tuple(w.shape) != (S, B, nI):
-        raise ValueError(f"indexer_scores: w shape {tuple(w.shape)} != (S, B, nI) = {(S, B, nI)}")
+    naive.check_scores_args(qI, kI, w, ratio)
     return _IndexerScores.apply(qI, kI, w, int(ratio))
 
 
