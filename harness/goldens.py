@@ -44,7 +44,9 @@ def git_sha() -> tuple[str, bool]:
                              timeout=10).stdout.strip()
         if len(sha) != 40:
             return "unknown", False
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+        # goldens/ itself is excluded: a regen of several slices must not call its own output "dirty code"
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                     ":(exclude)goldens"], cwd=REPO,
                                     capture_output=True, text=True, timeout=10).stdout.strip())
         return sha, dirty
     except (OSError, subprocess.SubprocessError):
