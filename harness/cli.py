@@ -43,6 +43,12 @@ def registry():
     return Registry.load()
 
 
+def select_triton_interpreter():
+    """No GPU: golden cases that call Triton kernels run in its interpreter (must precede importing triton)."""
+    from dsv4.kernels._testing import use_interpreter
+    use_interpreter()
+
+
 class DSv4Group(click.Group):
     def list_commands(self, ctx):
         return sorted(set(super().list_commands(ctx)) | set(LAZY))
@@ -63,8 +69,6 @@ class DSv4Group(click.Group):
             return _missing
 
     def invoke(self, ctx):
-        from dsv4.kernels._testing import use_interpreter
-        use_interpreter()      # no GPU: golden cases that call Triton kernels run them in the interpreter
         try:
             return super().invoke(ctx)
         except _known_errors() as e:
@@ -163,6 +167,7 @@ def graph_cmd(fmt, focus, rounds, out, platform, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def verify_cmd(sid, with_deps, platform, mode, report_dir, junit, skip_tests, workers, as_json):
     """Run slices' tests and golden checks; print each check with its numbers and verdict."""
+    select_triton_interpreter()
     from dsv4.harness import verify as V
     reg = registry()
     mode = mode or ("deterministic" if platform == "cpu" else "approximate")
@@ -208,6 +213,7 @@ def goldens_grp():
 @click.option("--json", "as_json", is_flag=True)
 def regen_cmd(sid, platform, cases, as_json):
     """Rerun a slice's golden cases and rewrite its goldens (atomic), printing the diff."""
+    select_triton_interpreter()
     from dsv4.harness import verify as V
     reg = registry()
     changes = V.regen(reg, reg.get(sid), platform, list(cases) or None)
@@ -221,6 +227,7 @@ def regen_cmd(sid, platform, cases, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def diff_cmd(sid, platform, as_json):
     """Rerun a slice's golden cases and show what a regen would change (writes nothing). Exit 1 if changed."""
+    select_triton_interpreter()
     from dsv4.harness import goldens as G
     from dsv4.harness import verify as V
     from dsv4.harness.cases import MAX_ELEMS
