@@ -23,7 +23,7 @@ class BadInput(click.ClickException):
     exit_code = 2
 
     def show(self, file=None):
-        click.echo(f"dsv4: error: {self.message}", err=True)
+        click.echo(f"dsv4: error: {self.message}", err=True)       # same line as errors.report_bad_input
 
 
 def emit_json(doc) -> None:

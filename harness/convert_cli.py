@@ -5,9 +5,10 @@ Exit 0 on success, 2 with one line on bad input (missing directory, unknown form
 from __future__ import annotations
 
 import json
-import sys
 
 import click
+
+from dsv4.harness.errors import report_bad_input
 
 
 @click.command("convert")
@@ -23,8 +24,7 @@ def convert_cmd(src, dst, src_format, dst_format, as_json):
     try:
         summary = convert(src, dst, src_format, dst_format)
     except (CheckpointError, ConfigError, FileNotFoundError, OSError, json.JSONDecodeError) as e:
-        click.echo(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", err=True)
-        sys.exit(2)
+        report_bad_input(e)
     if as_json:
         click.echo(json.dumps(summary))
     else:

@@ -27,11 +27,11 @@ Conventions (sources):
 from __future__ import annotations
 
 import json
-import math
 import os
-import sys
 
 import click
+
+from dsv4.harness.errors import report_bad_input
 
 from dsv4.model.config import ConfigError, DSv4Config, get_config
 
@@ -250,8 +250,7 @@ def flops_cmd(config, seq, routing_stats, as_json):
         res = flops_per_token(cfg, seq, stats)
         add_critical_path(res, cfg)
     except (ConfigError, ValueError, TypeError) as e:
-        click.echo(f"error: {str(e).splitlines()[0]}", err=True)
-        sys.exit(2)
+        report_bad_input(e)
     res = {"config": name, **res}
     if as_json:
         click.echo(json.dumps(res, indent=1))

@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, asdict
 
 import click
+
+from dsv4.harness.errors import report_bad_input
 import numpy as np
 import torch
 
@@ -406,8 +408,7 @@ def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, th
         r = Recipe(**{**asdict(r), **kw})
         res = train(r, out or os.path.join("runs", recipe), seed=seed, resume=resume, progress=True)
     except (TrainError, ConfigError, DataError, ckpt.CheckpointError) as e:
-        click.echo(f"error: {str(e).splitlines()[0]}", err=True)
-        sys.exit(2)
+        report_bad_input(e)
     if as_json:
         click.echo(json.dumps(res))
     else:

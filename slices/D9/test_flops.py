@@ -98,4 +98,4 @@ def test_cli_json_and_errors(tmp_path):
     for args in (["--config", "nope"], ["--config", "debug", "--seq", "0"],
                  ["--config", "debug", "--routing-stats", str(cfg_file)]):
         r = CliRunner().invoke(flops_cmd, args)
-        assert r.exit_code == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error:"), (args, r.output)
+        assert r.exit_code == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("dsv4: error:"), (args, r.output)
