@@ -15,7 +15,13 @@ Rules (enforced by `check_outputs`):
 - every floating tensor / float must have an explicit (atol, rtol) in `tol` -- no silent default;
 - tensors are stored whole, so keep them small (<= MAX_ELEMS elements); store a slice or a reduction
   of a big activation instead.
-A case must be deterministic on its platform (seed everything inside the case).
+A case must be deterministic on its platform (seed everything inside the case); the harness also seeds the
+global RNG with `numerics.CASE_SEED` and applies the numerics contract (harness/numerics.py) before each run.
+
+Scope: "portable" (default) goldens must pass on every host under the contract, so their float tolerances cover
+the cross-host spread measured by `dsv4 goldens spread` (times a margin, named beside the tolerance).
+"same-host" goldens (long curves, where MoE routing and top-k flips amplify rounding) are exact evidence on
+the host that made them (same `numerics.fingerprint`) and are reported as not judged elsewhere.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ class GoldenCase:
     tol: dict            # output name -> (atol, rtol) for floating outputs
     platforms: tuple     # platforms the case can run on
     doc: str
+    scope: str = "portable"   # "portable" | "same-host" (see the module doc)
 
     def run(self, device: str = "cpu") -> dict:
         out = self.fn(device=device) if "device" in self.fn.__code__.co_varnames else self.fn()
@@ -47,12 +54,33 @@ class GoldenCase:
 _REGISTRY: list[GoldenCase] = []
 
 
-def golden_case(name: str, tol: dict | None = None, platforms=("cpu",)):
+SCOPES = ("portable", "same-host")
+
+
+def golden_case(name: str, tol: dict | None = None, platforms=("cpu",), scope: str = "portable"):
     """Register a golden case. `tol` maps each floating output to (atol, rtol)."""
+    if scope not in SCOPES:
+        raise CaseError(f"golden case {name}: scope must be one of {SCOPES}, got {scope!r}")
+
     def deco(fn):
-        _REGISTRY.append(GoldenCase(name, fn, dict(tol or {}), tuple(platforms), (fn.__doc__ or "").strip()))
+        _REGISTRY.append(GoldenCase(name, fn, dict(tol or {}), tuple(platforms), (fn.__doc__ or "").strip(),
+                                    scope))
         return fn
     return deco
+
+
+def case_hash(case: GoldenCase) -> str:
+    """The golden's config hash: the case's source, tolerances, platforms and scope (what decides its outputs)."""
+    import hashlib
+    import inspect
+    import json
+    try:
+        src = inspect.getsource(case.fn)
+    except (OSError, TypeError):
+        src = case.fn.__qualname__
+    blob = json.dumps({"src": src, "tol": {k: list(v) for k, v in sorted(case.tol.items())},
+                       "platforms": list(case.platforms), "scope": case.scope}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def collect(module_loader: Callable[[], object]) -> list[GoldenCase]:

@@ -237,7 +237,7 @@ def diff_cmd(sid, platform, as_json):
     for c in V.load_cases(sl):
         if platform not in c.platforms or c.name not in sl.golden_cases:
             continue
-        enc = G.encode_outputs(c.run(V.PLATFORM_DEVICE[platform]), MAX_ELEMS)
+        enc = G.encode_outputs(V.run_case(c, V.PLATFORM_DEVICE[platform]), MAX_ELEMS)
         old = G.load_case(platform, sl.name, c.name)
         lines = G.diff_outputs(old["outputs"] if old else None, enc)
         changed |= lines != ["  = unchanged"]
@@ -248,6 +248,25 @@ def diff_cmd(sid, platform, as_json):
     if as_json:
         emit_json({"slice": sl.id, "platform": platform, "changed": changed, "cases": out})
     sys.exit(1 if changed else 0)
+
+
+@goldens_grp.command("spread")
+@click.option("--slice", "sids", multiple=True, required=True, help="Slice(s) to measure (repeatable).")
+@click.option("--case", "cases", multiple=True, help="Only these cases (default: every portable cpu case).")
+@click.option("--json", "as_json", is_flag=True)
+def spread_cmd(sids, cases, as_json):
+    """Measure each cpu golden's spread across simulated hosts (harness/numerics.py) and check that its
+    tolerances cover it; writes goldens/cpu/_spread/<slice>.json. Exit 1 if a portable golden does not hold."""
+    from dsv4.harness import numerics
+    reg = registry()
+    docs = [numerics.spread_slice(reg.get(sid), list(cases) or None) for sid in sids]
+    for d in docs:
+        for r in d["checks"]:
+            click.echo(numerics.fmt_spread(r))
+    bad = [r for d in docs for r in d["checks"] if r["verdict"] != "pass"]
+    if as_json:
+        emit_json({"slices": docs, "exit_code": 1 if bad else 0})
+    sys.exit(1 if bad else 0)
 
 
 @goldens_grp.command("import")

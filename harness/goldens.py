@@ -57,13 +57,18 @@ def config_hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def provenance(platform: str, config=None, seed=None, command: str | None = None) -> dict:
+def provenance(platform: str, config=None, seed=None, command: str | None = None, case_hash: str | None = None) -> dict:
+    """Where a golden / report came from: code, config, seed, versions, and the host's numerics (CPU model, ISA,
+    ATen capability, MKL / oneDNN builds, steering variables, the contract's pinned settings)."""
+    from . import numerics
     sha, dirty = git_sha()
+    h = numerics.host()
     prov = {
         "git_sha": sha, "git_dirty": dirty, "platform": platform, "seed": seed,
-        "config_hash": config_hash(config) if config is not None else None,
+        "config_hash": case_hash or (config_hash(config) if config is not None else None),
         "torch": torch.__version__, "python": _platform.python_version(),
-        "machine": _platform.machine(), "host_cpu": _platform.processor() or _platform.machine(),
+        "machine": _platform.machine(), "host_cpu": h["cpu_model"], "host": h,
+        "numerics": numerics.settings(), "host_fingerprint": numerics.fingerprint(h),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command or " ".join(["dsv4"] + sys.argv[1:]),
     }

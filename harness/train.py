@@ -80,6 +80,9 @@ RECIPES = {
 }
 
 
+DTYPES = ("fp32", "bf16", "fp64")
+
+
 class TrainError(ValueError):
     """Bad training input; one line."""
 
@@ -205,8 +208,8 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
         raise TrainError(f"train.device: must be cpu|cuda, got {recipe.device!r}")
     if recipe.device == "cuda" and not torch.cuda.is_available():
         raise TrainError("train.device: cuda requested but no CUDA device is available")
-    if recipe.dtype not in ("fp32", "bf16"):
-        raise TrainError(f"train.dtype: must be fp32|bf16, got {recipe.dtype!r}")
+    if recipe.dtype not in DTYPES:
+        raise TrainError(f"train.dtype: must be {'|'.join(DTYPES)}, got {recipe.dtype!r}")
     t_start = time.time()
     os.makedirs(out, exist_ok=True)
     device = torch.device(recipe.device)
@@ -230,7 +233,8 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
         samples = GPTSamples(corpus, recipe.seq_len, seed)
 
     torch.manual_seed(seed)
-    model = model_factory(cfg).to(device)
+    # fp64: every parameter in double precision (P1's FP32-kept tensors included) -- the cross-host golden runs
+    model = model_factory(cfg).to(device, torch.float64) if recipe.dtype == "fp64" else model_factory(cfg).to(device)
     if recipe.backend != "naive":
         if recipe.backend != "triton" or not hasattr(model, "set_kernel_backend"):
             raise TrainError(f"train.backend: must be naive|triton, got {recipe.backend!r}")
@@ -238,7 +242,7 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
     model.train()
     # Newton–Schulz in bf16 for bf16 runs (spec §10.4: "Newton–Schulz can run in BF16"), fp32 otherwise
     opt = build_optimizer(model, lr=recipe.lr, weight_decay=recipe.weight_decay,
-                          ns_dtype=torch.bfloat16 if recipe.dtype == "bf16" else torch.float32)
+                          ns_dtype={"bf16": torch.bfloat16, "fp64": torch.float64}.get(recipe.dtype, torch.float32))
     params = [p for p in model.parameters() if p.requires_grad]
     fl = flops_per_token(cfg, recipe.seq_len)["total_training_flops_per_token"]
 
@@ -380,7 +384,7 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
 @click.option("--resume", type=click.Path(), default=None, help="run dir or checkpoint dir to resume from")
 @click.option("--seed", type=int, default=1234, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None)
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None)
 @click.option("--save-interval", type=int, default=None, help="checkpoint every K steps (0 = never)")
 @click.option("--threads", type=int, default=None, help="CPU threads (determinism needs a fixed count)")
 @click.option("--backend", type=click.Choice(["naive", "triton"]), default=None, help="model kernel backend")

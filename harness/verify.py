@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from . import goldens as G
-from .cases import MAX_ELEMS, CaseError, collect
+from . import numerics
+from .cases import MAX_ELEMS, CaseError, case_hash, collect
 from .registry import REPO, Registry, Slice
 
 PASS, REGRESSION, CANNOT_JUDGE, SKIPPED = "pass", "regression", "cannot-judge", "skipped"
@@ -104,6 +105,14 @@ def load_cases(sl: Slice):
     return collect(_load)
 
 
+def run_case(case, device: str) -> dict:
+    """One golden case under the numerics contract (harness/numerics.py), the global RNG seeded first."""
+    if device == "cpu":
+        numerics.apply()
+    torch.manual_seed(numerics.CASE_SEED)
+    return case.run(device)
+
+
 def golden_checks(sl: Slice, platform: str, mode: str) -> list[dict]:
     recs: list[dict] = []
     try:
@@ -138,9 +147,16 @@ def golden_checks(sl: Slice, platform: str, mode: str) -> list[dict]:
             recs.append({"check": name, "kind": "golden", "verdict": "missing",
                          "detail": f"platform {platform} needs a CUDA device; none here"})
             continue
+        if case.scope == "same-host" and device == "cpu":
+            made_on, here = golden["provenance"].get("host_fingerprint"), numerics.fingerprint()
+            if made_on != here:
+                recs.append({"check": name, "kind": "golden", "verdict": "skip",
+                             "detail": f"same-host evidence, made on [{made_on}]; this host is [{here}]: not "
+                                       f"judged here (regen on this host to judge it)"})
+                continue
         t0 = time.time()
         try:
-            out = case.run(device)
+            out = run_case(case, device)
         except Exception as e:  # noqa: BLE001
             recs.append({"check": name, "kind": "golden", "verdict": "error",
                          "detail": f"case raised {type(e).__name__}: {e}"})
@@ -275,7 +291,7 @@ def regen(reg: Registry, sl: Slice, platform: str, cases_filter: list[str] | Non
             continue
         log(f"running case {sl.id}/{n} on {platform} ...")
         try:
-            out = c.run(device)
+            out = run_case(c, device)
         except CaseError:
             raise
         except Exception as e:  # noqa: BLE001 - nothing is written; say which case broke, in one line
@@ -290,7 +306,9 @@ def regen(reg: Registry, sl: Slice, platform: str, cases_filter: list[str] | Non
         old = G.load_case(platform, sl.name, n)
         lines = G.diff_outputs(old["outputs"] if old else None, enc)
         doc = {"format": G.FORMAT, "slice": sl.id, "case": n, "platform": platform,
-               "provenance": G.provenance(platform, command=f"dsv4 goldens regen --slice {sl.id} --platform {platform}"),
+               "scope": cases[n].scope,
+               "provenance": G.provenance(platform, seed=numerics.CASE_SEED, case_hash=case_hash(cases[n]),
+                                          command=f"dsv4 goldens regen --slice {sl.id} --platform {platform}"),
                "outputs": enc}
         G.atomic_write_json(G.case_path(platform, sl.name, n), doc)
         log(f"goldens/{platform}/{sl.name}/{n}.json")

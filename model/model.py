@@ -103,7 +103,7 @@ class DSv4Model(nn.Module):
     def _ce(self, logits, y, labels):
         if logits is not None:
             V = self.cfg.vocab_size
-            return F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE)
+            return F.cross_entropy(_acc(logits).reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE)
         return head_cross_entropy(y.reshape(-1, y.shape[-1]), self.head.weight, labels.reshape(-1))
 
     def _losses(self, logits, mtp_logits, labels, y=None, y_mtp=None, mtp_labels=None):
@@ -119,11 +119,11 @@ class DSv4Model(nn.Module):
             losses["mtp_1 loss"] = mtp.detach()
         idx_loss = [a.indexer_loss for a in self._attns() if getattr(a, "indexer_loss", None) is not None]
         if idx_loss:
-            il = torch.stack([t.float() for t in idx_loss]).sum()
+            il = torch.stack([_acc(t) for t in idx_loss]).sum()
             loss, losses["indexer loss"] = loss + il, il.detach()
         aux = [m.aux_loss for m in self.modules() if isinstance(m, MoE) and m.aux_loss is not None]
         if aux:
-            al = torch.stack([t.float() for t in aux]).sum()
+            al = torch.stack([_acc(t) for t in aux]).sum()
             loss, losses["moe aux loss"] = loss + al, al.detach()
         return loss, losses
 
@@ -175,6 +175,11 @@ class DSv4Model(nn.Module):
 
     def float(self):
         return cast_model(self, torch.float32)
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """Loss precision: fp32 for half types, fp64 stays fp64 (the cross-host fp64 golden runs)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 class _HeadCrossEntropy(torch.autograd.Function):

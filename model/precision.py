@@ -37,11 +37,13 @@ def fp32_kept_names(model: nn.Module) -> list[str]:
 
 @torch.no_grad()
 def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast floating parameters/buffers to `dtype` in place, except the FP32-kept ones (which become fp32)."""
+    """Cast floating parameters/buffers to `dtype` in place, except the FP32-kept ones, which become at least fp32
+    (fp32 under a bf16/fp16 cast, fp64 under an fp64 cast: "kept in FP32" never lowers a precision)."""
+    keep = torch.promote_types(dtype, torch.float32)
     for mname, mod in model.named_modules():
         for tname, p in list(mod.named_parameters(recurse=False)):
             full = f"{mname}.{tname}" if mname else tname
-            want = torch.float32 if keeps_fp32(full, p, mod) else dtype
+            want = keep if keeps_fp32(full, p, mod) else dtype
             if p.is_floating_point() and p.dtype != want:
                 marker = getattr(p, "keep_in_fp32", None)
                 p.data = p.data.to(want)
@@ -52,7 +54,7 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
         for tname, b in list(mod.named_buffers(recurse=False)):
             full = f"{mname}.{tname}" if mname else tname
             if b is not None and b.is_floating_point():
-                want = torch.float32 if keeps_fp32(full, b, mod) else dtype
+                want = keep if keeps_fp32(full, b, mod) else dtype
                 if b.dtype != want:
                     mod._buffers[tname] = b.to(want)
     return model

@@ -1,4 +1,5 @@
-"""D9 golden cases: CPU loss curves (deterministic, tol (0, 0)), FLOP accounting, hybrid Newton–Schulz bounds."""
+"""D9 golden cases: CPU loss curves (fp64 and short fp32 portable ones, the 200-step same-host one), FLOP accounting,
+hybrid Newton–Schulz bounds."""
 import tempfile
 from dataclasses import replace
 
@@ -7,35 +8,57 @@ import torch
 from dsv4.harness.cases import golden_case
 
 
-def _curve(recipe: str, steps: int | None = None) -> dict:
+def _curve(recipe: str, steps: int | None = None, dtype: str | None = None, megatron: bool = False) -> dict:
     from dsv4.harness.train import RECIPES, train
-    r = RECIPES[recipe] if steps is None else replace(RECIPES[recipe], steps=steps)
+    r = RECIPES[recipe]
+    r = replace(r, steps=steps or r.steps, dtype=dtype or r.dtype)
     with tempfile.TemporaryDirectory() as d:
         res = train(r, d, seed=1234, progress=False)
         import json
         hist = [json.loads(line) for line in open(f"{d}/metrics.jsonl")]
         gv = json.load(open(f"{d}/golden_values.json"))
-    # the same curve in Megatron's golden-values format, for `dsv4 compare RUN goldens/cpu/D9/<case>.json`;
-    # only the metrics that are deterministic on a CPU (timing is not)
-    curve = {m: gv[m] for m in ("lm loss", "mtp_1 loss", "num-zeros") if m in gv}
-    return {"curve": curve, "lm_loss": torch.tensor([h["lm loss"] for h in hist], dtype=torch.float64),
-            "mtp_1_loss": torch.tensor([h["mtp_1 loss"] for h in hist], dtype=torch.float64),
-            "num_zeros": torch.tensor([int(h["num-zeros"]) for h in hist], dtype=torch.int64),
-            "steps": len(hist), "lm_loss_first": res["lm_loss_first"], "lm_loss_last": res["lm_loss_last"]}
+    out = {"lm_loss": torch.tensor([h["lm loss"] for h in hist], dtype=torch.float64),
+           "mtp_1_loss": torch.tensor([h["mtp_1 loss"] for h in hist], dtype=torch.float64),
+           "steps": len(hist), "lm_loss_first": res["lm_loss_first"], "lm_loss_last": res["lm_loss_last"]}
+    if megatron:
+        # the same curve in Megatron's golden-values format, for `dsv4 compare RUN goldens/cpu/D9/<case>.json`;
+        # only the metrics that are deterministic on a CPU (timing is not)
+        out["curve"] = {m: gv[m] for m in ("lm loss", "mtp_1 loss", "num-zeros") if m in gv}
+        out["num_zeros"] = torch.tensor([int(h["num-zeros"]) for h in hist], dtype=torch.int64)
+    return out
 
 
-@golden_case("debug_loss_curve", tol={"lm_loss": (0, 0), "mtp_1_loss": (0, 0), "lm_loss_first": (0, 0),
-                                      "lm_loss_last": (0, 0)})
+# Cross-host spread of the curves, measured by `dsv4 goldens spread --slice D9` over harness/numerics.py's
+# SIMULATED_HOSTS (stored in goldens/cpu/_spread/D9.json); each tolerance is that worst case x a stated margin.
+# fp64, 12 steps: worst |d lm| 4.0e-7 (ATEN_CPU_CAPABILITY=default; training at lr 1e-2 amplifies the last-ulp
+# differences of fp32-initialised weights ~500x per step); worst relative 3.0e-7 (mtp_1 loss). rtol 4e-6 = 13x it.
+FP64_TOL = (0.0, 4e-6)
+# fp32, 6 steps: worst relative spread 3.6e-5 (mtp_1 loss, ATEN_CPU_CAPABILITY=default); rtol 4e-4 = 11x it.
+FP32_TOL = (0.0, 4e-4)
+
+
+@golden_case("debug_loss_curve_fp64", tol={k: FP64_TOL for k in ("lm_loss", "mtp_1_loss", "lm_loss_first",
+                                                                 "lm_loss_last")})
+def debug_loss_curve_fp64():
+    """`dsv4 train --recipe debug --dtype fp64` (12 steps, CPU): the portable curve golden -- in fp64 the
+    cross-host rounding spread is ~1e-7 relative after 12 steps, against ~2e-4 in fp32."""
+    return _curve("debug", dtype="fp64")
+
+
+@golden_case("debug_loss_curve", tol={k: FP32_TOL for k in ("lm_loss", "mtp_1_loss", "lm_loss_first",
+                                                            "lm_loss_last")})
 def debug_loss_curve():
-    """`dsv4 train --recipe debug` (12 steps, CPU, 1 thread, deterministic): bit-exact loss curve."""
-    return _curve("debug")
+    """`dsv4 train --recipe debug --steps 6` (fp32, CPU): a short fp32 curve, approximate across hosts."""
+    return _curve("debug", steps=6)
 
 
 @golden_case("tiny_loss_curve", tol={"lm_loss": (0, 0), "mtp_1_loss": (0, 0), "lm_loss_first": (0, 0),
-                                     "lm_loss_last": (0, 0)})
+                                     "lm_loss_last": (0, 0)}, scope="same-host")
 def tiny_loss_curve():
-    """`dsv4 train --recipe tiny` (200 steps of byte-level stdlib text, CPU, deterministic): the loss-curve golden."""
-    return _curve("tiny")
+    """`dsv4 train --recipe tiny` (200 steps of byte-level stdlib text, CPU): bit-exact on the host that made it.
+    Across hosts MoE routing and top-k flips amplify rounding (7e-2..1e-1 in lm loss at step 200), so this is
+    same-host evidence; also in Megatron's golden-values format for `dsv4 compare`."""
+    return _curve("tiny", megatron=True)
 
 
 @golden_case("flops_4096", tol={f"{n}_{k}": (0, 1e-12) for n in ("flash", "pro", "proxy")
