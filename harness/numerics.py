@@ -188,6 +188,7 @@ def spread_slice(sl, cases: list[str] | None = None, log=lambda s: print(s, file
     """`dsv4 goldens spread`: every portable cpu case of `sl` under SIMULATED_HOSTS, judged against its stored
     golden with its own tolerances; written to goldens/cpu/_spread/<slice>.json."""
     from . import goldens as G
+    from .cases import case_hash
     from .verify import load_cases
     checks = []
     for c in load_cases(sl):
@@ -207,7 +208,8 @@ def spread_slice(sl, cases: list[str] | None = None, log=lambda s: print(s, file
             exact = ref["kind"] == "int" or (ref["kind"] == "tensor" and not ref["dtype"].startswith(("float", "bfloat")))
             tol = None if exact or ref["kind"] == "curve" else c.tol.get(name)
             h = headroom(name, ref, runs, tol)
-            checks.append({"case": c.name, "output": name, "kind": ref["kind"], "exact": tol is None,
+            checks.append({"case": c.name, "case_hash": case_hash(c), "output": name, "kind": ref["kind"],
+                           "exact": tol is None,
                            "tol": list(tol) if tol is not None else None, "max_abs": sp[name]["max_abs"],
                            "max_rel": sp[name]["max_rel"], "worst_env": sp[name]["env"], "used": h,
                            "verdict": "pass" if h <= 1.0 else "fail"})
