@@ -20,6 +20,12 @@ LAYOUTS = {                                   # (cu_seqlens, cu_seqlens_padded o
 }
 
 
+# The simulated ranks run smaller GEMMs than the single-rank run, so MKL may block them differently: under the
+# numerics contract the two are bit-equal on this host's default paths and differ by <= 2.6e-6 under
+# MKL_CBWR=COMPATIBLE (worst over harness/numerics.py's simulated hosts, |out| ~ 8); ATOL = 4x that.
+ATOL = 1e-5
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("cp", [4])
 def test_simulated_cp_equals_packed(name, cp):
@@ -33,4 +39,4 @@ def test_simulated_cp_equals_packed(name, cp):
         randomize(attn)
         ref = thd.thd_attention_forward(attn, h, cu, cup)
         out = cpl.simulate_cp_attention(attn, h, cu, cp, cup)
-        assert (out - ref).abs().max().item() <= 1e-6, (name, cp, layer)
+        assert (out - ref).abs().max().item() <= ATOL, (name, cp, layer)
