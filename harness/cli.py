@@ -76,6 +76,9 @@ class DSv4Group(click.Group):
         kw.pop("standalone_mode", None)
         try:
             rv = super().main(args, standalone_mode=False, **kw)
+        except click.exceptions.NoArgsIsHelpError as e:     # `dsv4`, `dsv4 goldens`: the help, as click does
+            e.show()
+            sys.exit(e.exit_code)
         except click.ClickException as e:      # never exit 1: that means a regression
             errors.fail(e.format_message(), 2)
         except click.exceptions.Abort:
