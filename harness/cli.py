@@ -260,8 +260,7 @@ def diff_cmd(sid, platform, as_json):
         if platform not in c.platforms or c.name not in sl.golden_cases:
             continue
         enc = G.encode_outputs(c.run(V.PLATFORM_DEVICE[platform]), MAX_ELEMS)
-        old = G.load_case(platform, sl.name, c.name, sl.id)
-        lines = G.diff_outputs(old["outputs"] if old else None, enc)
+        lines = G.diff_case(platform, sl.name, c.name, sl.id, enc)
         changed |= lines != ["  = unchanged"]
         click.echo(f"{sl.id}/{c.name}:", err=as_json)
         for line in lines:

@@ -333,6 +333,15 @@ def compare_output(name: str, golden: dict, actual, tol: dict, mode: str = "dete
     return rec
 
 
+def diff_case(platform: str, slice_name: str, case: str, slice_id: str, new: dict) -> list[str]:
+    """What writing outputs `new` changes in a case's golden; a golden that cannot be judged is replaced."""
+    try:
+        old = load_case(platform, slice_name, case, slice_id)
+    except GoldenError as e:
+        return [f"  ! replaces a golden that cannot be judged ({e})"]
+    return diff_outputs(old["outputs"] if old else None, new)
+
+
 def diff_outputs(old: dict | None, new: dict) -> list[str]:
     """Human lines describing what a regen changes."""
     if old is None:

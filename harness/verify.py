@@ -315,8 +315,7 @@ def regen(reg: Registry, sl: Slice, platform: str, cases_filter: list[str] | Non
         computed.append((n, G.encode_outputs(out, MAX_ELEMS)))
     changes = []
     for n, enc in computed:
-        old = G.load_case(platform, sl.name, n, sl.id)
-        lines = G.diff_outputs(old["outputs"] if old else None, enc)
+        lines = G.diff_case(platform, sl.name, n, sl.id, enc)
         doc = {"format": G.FORMAT, "slice": sl.id, "case": n, "platform": platform,
                "provenance": G.provenance(platform, command=f"dsv4 goldens regen --slice {sl.id} --platform {platform}"),
                "outputs": enc}

@@ -217,6 +217,9 @@ def test_golden_that_cannot_be_judged_is_one_line_exit_2(tmp_path, gold_dir, edi
     (rec,) = doc["slices"][0]["checks"]
     assert rec["verdict"] == "error" and rec["detail"].startswith(str(p)) and field in rec["detail"], rec["detail"]
     assert "\n" not in rec["detail"]
+    # regen is how such a golden is fixed: it replaces it, saying so
+    assert V.regen(reg, s, "cpu")[0]["diff"][0].startswith("  ! replaces a golden that cannot be judged")
+    assert V.verify(reg, ["Z1"], "cpu", "deterministic", run_tests=False)["exit_code"] == 0
 
 
 def test_files_are_written_0644_not_0600(tmp_path):
