@@ -117,11 +117,19 @@ def plot_metric(metric: str, golden: dict, run: dict | None, check: dict, path: 
         plt.close(fig)
 
 
+def _prov_line(p: dict) -> str:
+    if not p:
+        return "no provenance"
+    keys = ("git_sha", "git_dirty", "seed", "config_hash", "torch", "platform", "host_cpu")
+    return ", ".join(f"{k} {str(p[k])[:12]}" for k in keys if p.get(k) is not None) or "provenance: see below"
+
+
 def write_report(doc: dict, out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"# dsv4 compare — **{doc['verdict']}** ({doc['mode']} mode)", "",
-             f"- run: `{doc['run']}`", f"- golden: `{doc['golden']}`", "",
+             f"- run: `{doc['run']}` ({_prov_line(doc['run_provenance'])})",
+             f"- golden: `{doc['golden']}` ({_prov_line(doc['golden_provenance'])})", "",
              "| metric | verdict | max abs | max rel | tolerance | failing steps (allowed) |",
              "|---|---|---|---|---|---|"]
     for c in doc["checks"]:
