@@ -95,8 +95,8 @@ def plot_metric(metric: str, golden: dict, run: dict | None, check: dict, path: 
         fails = check.get("failing_steps", [])
         if fails:
             gd = dict(zip(gx, gy))
-            fy = [rd.get(s, gd.get(s)) for s in fails]
-            ax.scatter(fails, [y if math.isfinite(y) else gd.get(s) for s, y in zip(fails, fy)], marker="x",
+            fy = [rd.get(s, math.nan) if math.isfinite(rd.get(s, math.nan)) else gd.get(s, math.nan) for s in fails]
+            ax.scatter(fails, fy, marker="x",
                        color="#b2182b", s=40, zorder=5, label=f"failing steps ({len(fails)})")
             for s in fails:
                 axr.axvline(s, color="#b2182b", lw=0.6, alpha=0.5)

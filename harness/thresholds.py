@@ -115,8 +115,9 @@ def compare_metric(metric: str, golden: dict, actual: dict | None, mode: str) ->
     allowed = 0 if (mode == "deterministic" or len(judged) == 1) else allowed_failures(len(judged))
     missing = [s for s in judged if not math.isfinite(avals.get(s, math.inf))]
     ok = len(bad) <= allowed and not nonfinite and not missing
-    rec.update(verdict="pass" if ok else "fail", steps=len(judged), failing_steps=bad,
-               n_failing=len(bad), allowed_failures=allowed, max_abs=max_abs, max_rel=max_rel)
+    failing = sorted(set(bad) | set(nonfinite))
+    rec.update(verdict="pass" if ok else "fail", steps=len(judged), failing_steps=failing,
+               n_failing=len(failing), allowed_failures=allowed, max_abs=max_abs, max_rel=max_rel)
     if nonfinite or missing:
         s0 = min(nonfinite + missing)
         rec["detail"] = f"run is {'missing' if s0 not in avals else 'not finite'} at step {s0}"

@@ -30,7 +30,7 @@ def test_golden_nan_against_run_nan_is_not_a_pass():
     g = _curve([10.0] * 9 + ["nan"])
     for run_v in (float("nan"), float("inf"), "nan"):
         r = T.compare_metric("lm loss", g, _curve([10.0] * 9 + [run_v]), "deterministic")
-        assert r["verdict"] == "fail", (run_v, r)
+        assert r["verdict"] == "fail" and r["failing_steps"] == [10], (run_v, r)
     # a golden "nan" against a finite run value: that step is not judged, and listed
     r = T.compare_metric("lm loss", g, _curve([10.0] * 10), "deterministic")
     assert r["verdict"] == "pass" and r["unjudged_steps"] == [10] and r["steps"] == 9
