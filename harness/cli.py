@@ -83,6 +83,8 @@ class DSv4Group(click.Group):
             errors.fail(e.format_message(), 2)
         except click.exceptions.Abort:
             errors.fail("aborted", 130)
+        finally:
+            errors.JSON = False
         sys.exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx):

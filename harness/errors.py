@@ -9,13 +9,22 @@ import sys
 
 import click
 
-JSON = False          # set by the `dsv4` group when --json is on its command line
+JSON = False          # set by the `dsv4` group while it runs a command line holding --json
+
+
+def _json_mode() -> bool:
+    ctx = click.get_current_context(silent=True)
+    while ctx is not None:
+        if ctx.params.get("as_json"):
+            return True
+        ctx = ctx.parent
+    return JSON
 
 
 def fail(msg: str, code: int = 2):
     msg = msg.strip().splitlines()[0] if msg.strip() else "error"
     click.echo(f"dsv4: error: {msg}", err=True)
-    if JSON:
+    if _json_mode():
         click.echo(json.dumps({"error": msg, "exit_code": code}))
     sys.exit(code)
 

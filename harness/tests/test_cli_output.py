@@ -91,3 +91,11 @@ def test_verify_verdicts_on_stdout():
     assert r.returncode == 0, r.stderr
     out = r.stdout.splitlines()
     assert out[0].startswith("P6 ") and out[1].startswith("  [PASS   ] tensor") and out[-1].startswith("verify cpu: PASS (1 pass")
+
+
+def test_json_error_from_a_command_itself_and_no_leak_between_invocations():
+    from dsv4.harness.flops import flops_cmd
+    r = _run("flops", "--config", "nope", "--json")
+    assert r.exit_code == 2 and json.loads(r.stdout)["error"].startswith("config: unknown name 'nope'")
+    r = CliRunner().invoke(flops_cmd, ["--config", "nope"])          # no --json: nothing on stdout
+    assert r.exit_code == 2 and r.stdout == "" and r.stderr.startswith("dsv4: error: config: unknown name")
