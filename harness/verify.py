@@ -148,6 +148,7 @@ def golden_checks(sl: Slice, platform: str, mode: str) -> list[dict]:
                          "detail": f"platform {platform} needs a CUDA device; none here"})
             continue
         t0 = time.time()
+        log(f"running golden case {sl.id}/{name} on {platform} ...")
         try:
             out = case.run(device)
         except Exception as e:  # noqa: BLE001
