@@ -21,10 +21,13 @@ def test_results_on_stdout_progress_on_stderr(tmp_path):
     assert r.exit_code == 0 and r.stdout.startswith("round 0: ") and r.stderr == ""
     r = _run("flops", "--config", "debug", "--seq", "64")
     assert r.exit_code == 0 and "TOTAL" in r.stdout
+
+
+def test_train_result_on_stdout_and_its_provenance_reaches_compare(tmp_path):
     out = tmp_path / "run"
-    r = _run("train", "--recipe", "debug", "--steps", "2", "--out", str(out), "--save-interval", "0")
+    r = _run("train", "--recipe", "debug", "--steps", "1", "--out", str(out), "--save-interval", "0")
     assert r.exit_code == 0, r.output
-    assert "debug: 2 steps, lm loss" in r.stdout and "train" in r.stderr          # the tqdm bar: stderr
+    assert "debug: 1 steps, lm loss" in r.stdout and "train" in r.stderr          # the tqdm bar: stderr
     prov = json.loads((out / "provenance.json").read_text())                      # train writes provenance
     assert prov["seed"] == 1234 and prov["config_hash"] and prov["git_sha"]
     r = _run("compare", str(out), str(out / "golden_values.json"), "--report", str(tmp_path / "rep"), "--json")
