@@ -254,3 +254,13 @@ def test_verify_streams_progress_removes_its_temp_dir_and_summarises_failures_fi
     assert lines[-1].startswith("verify cpu: REGRESSION (1 pass, 1 regression, 1 cannot judge")
     md = V.write_report(doc, tmp_path / "rep").read_text()
     assert md.index("REGRESSION C3") < md.index("| slice | verdict")
+
+
+def test_regen_diff_lines_are_results_not_progress(tmp_path, gold_dir, capsys):
+    from dsv4.harness import verify as V
+    reg, s = _fake_slice(tmp_path)
+    said = []
+    V.regen(reg, s, "cpu", say=said.append)          # the CLI passes click.echo to stdout (stderr under --json)
+    assert said[0] == "goldens/cpu/Z1/lin.json" and said[1].startswith("  + new golden")
+    err = capsys.readouterr().err
+    assert "running case Z1/lin" in err and "new golden" not in err
