@@ -1,5 +1,9 @@
 """Golden store: `goldens/<platform>/<slice>/<case>.json`, written atomically, each with provenance.
 
+A golden that cannot be judged (its format/slice/case/platform disagree with its path, an unknown output
+kind, len(values) != prod(shape), a missing key, a bad dtype, a string where a number belongs) is refused by
+check_golden in one line naming the file and the field; verify reports it as cannot-judge (exit 2).
+
 A tensor-case golden file:
     {"format": "dsv4-golden/1", "slice": "P6", "case": "...", "platform": "cpu",
      "provenance": {git_sha, git_dirty, config_hash, seed, torch, python, platform, host, created},
