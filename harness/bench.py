@@ -324,6 +324,8 @@ def bench_cmd(as_json, out, out_dir, only, seqs, dense_peer, isolate):
     import tempfile
 
     import torch
+
+    from dsv4.harness.goldens import atomic_write_text
     if not torch.cuda.is_available():
         raise click.ClickException("bench kernels needs a CUDA GPU (none visible)")
     ops = [o for o in only.split(",") if o]
@@ -363,13 +365,9 @@ def bench_cmd(as_json, out, out_dir, only, seqs, dense_peer, isolate):
         print(f"[bench] {op} done in {r['wall_s']:.1f}s", file=sys.stderr, flush=True)
     text = json.dumps(res, indent=1)
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text)
+        atomic_write_text(Path(out), text)
     if out_dir:
         for sl in sorted({SLICE_OF[o] for o in ops}):
             sub = {"provenance": res["provenance"], "ops": {o: res["ops"][o] for o in ops if SLICE_OF[o] == sl}}
-            p = Path(out_dir) / sl / "bench_kernels.json"
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(json.dumps(sub, indent=1))
-    if as_json:
-        click.echo(text)
+            atomic_write_text(Path(out_dir) / sl / "bench_kernels.json", json.dumps(sub, indent=1))
+    click.echo(text)          # the result, with or without --json (progress went to stderr)

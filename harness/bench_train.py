@@ -151,5 +151,4 @@ def bench_train_cmd(config, tokens, batch, steps, warmup, impls, backend, recomp
     if out:
         from dsv4.harness.goldens import atomic_write_json
         atomic_write_json(out, doc)
-    if as_json:
-        click.echo(json.dumps(doc, indent=1))
+    click.echo(json.dumps(doc, indent=1))    # the result, with or without --json (progress went to stderr)

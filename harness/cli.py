@@ -1,7 +1,9 @@
 """`dsv4`: the harness command line.
 
-Every command takes `--json` (exactly one JSON document on stdout; human output and progress on stderr).
-Exit codes: 0 pass, 1 regression, 2 cannot judge / bad input (one line naming the file, slice or field).
+Without `--json` a command's result (tables, verdicts, diffs) goes to stdout and progress and logs to stderr;
+with `--json` stdout holds exactly one JSON document (an error too: {"error": ..., "exit_code": 2}) and all the
+human output goes to stderr. Exit codes: 0 pass, 1 regression, 2 cannot judge / bad input (one line naming the
+file, slice or field; a full disk too).
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import sys
 from pathlib import Path
 
 import click
+
+from dsv4.harness import errors
 
 LAZY = {   # commands that live beside the code they drive
     "train": ("dsv4.harness.train", "train_cmd"),
@@ -22,9 +26,6 @@ LAZY = {   # commands that live beside the code they drive
 class BadInput(click.ClickException):
     exit_code = 2
 
-    def show(self, file=None):
-        click.echo(f"dsv4: error: {self.message}", err=True)       # same line as errors.report_bad_input
-
 
 def emit_json(doc) -> None:
     click.echo(json.dumps(doc, indent=1, default=str))
@@ -35,7 +36,7 @@ def _known_errors():
     from dsv4.harness.goldens import GoldenError
     from dsv4.harness.registry import RegistryError
     from dsv4.model.config import ConfigError
-    return (RegistryError, GoldenError, CaseError, ConfigError)
+    return (RegistryError, GoldenError, CaseError, ConfigError, OSError)
 
 
 def registry():
@@ -68,6 +69,24 @@ class DSv4Group(click.Group):
                 raise BadInput(f"command {name!r} is not available in this checkout ({why})")
             return _missing
 
+    def main(self, args=None, **kw):
+        """Every error, usage errors included, ends as errors.fail: one line, exit 2 (JSON under --json)."""
+        args = list(sys.argv[1:] if args is None else args)
+        errors.JSON = "--json" in args
+        kw.pop("standalone_mode", None)
+        try:
+            rv = super().main(args, standalone_mode=False, **kw)
+        except click.exceptions.NoArgsIsHelpError as e:     # `dsv4`, `dsv4 goldens`: the help, as click does
+            e.show()
+            sys.exit(e.exit_code)
+        except click.ClickException as e:      # never exit 1: that means a regression
+            errors.fail(e.format_message(), 2)
+        except click.exceptions.Abort:
+            errors.fail("aborted", 130)
+        finally:
+            errors.JSON = False
+        sys.exit(rv if isinstance(rv, int) else 0)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
@@ -95,7 +114,7 @@ def slices_cmd(as_json):
         rows.append({"id": s.id, "title": s.title, "kind": s.kind, "status": s.status, "depends_on": s.depends_on,
                      "dependents": reg.dependents(s.id), "provenance": s.provenance, "files": s.files,
                      "tests": s.tests, "golden_cases": s.golden_cases,
-                     "n_checks": len(s.tests) + len(s.golden_cases), "golden_coverage": cov})
+                     "n_checks": len(s.tests) + len(s.golden_cases), "golden_coverage": cov, "waiver": s.waiver})
     if as_json:
         emit_json({"slices": rows, "rounds": reg.rounds()})
         return
@@ -104,9 +123,13 @@ def slices_cmd(as_json):
         "id": r["id"], "title": r["title"][:46], "cpu": r["status"]["cpu"], "h200": r["status"]["h200"],
         "deps": ",".join(r["depends_on"]) if len(r["depends_on"]) < 6 else f"{len(r['depends_on'])} slices",
         "tests": len(r["tests"]), "cases": len(r["golden_cases"]),
+        "waived": ",".join(w["dependency"] for w in r["waiver"]) or "-",
         "goldens cpu/h200/h100/gb200": "/".join(str(r["golden_coverage"][p]) for p in PLATFORMS)} for r in rows])
     with pd.option_context("display.max_rows", None, "display.width", 220, "display.max_colwidth", 60):
-        click.echo(df.to_string(index=False), err=True)
+        click.echo(df.to_string(index=False))
+    for r in rows:
+        for w in r["waiver"]:
+            click.echo(f"waiver: {r['id']} is checked without {w['dependency']}: {' '.join(w['reason'].split())}")
 
 
 # ------------------------------------------------------------------------------------------- graph
@@ -117,9 +140,11 @@ def slices_cmd(as_json):
 @click.option("--out", "out", type=click.Path(dir_okay=False), default=None, help="Output file (png/svg).")
 @click.option("--platform", default="cpu", type=click.Choice(["cpu", "h200", "h100", "gb200"]),
               help="Whose status colours the nodes.")
+@click.option("--labels", is_flag=True, help="Nodes show the slice title under its id (mermaid, dot, png, svg).")
 @click.option("--json", "as_json", is_flag=True)
-def graph_cmd(fmt, focus, rounds, out, platform, as_json):
+def graph_cmd(fmt, focus, rounds, out, platform, labels, as_json):
     """The slice dependency DAG (text tree, mermaid, dot, png, svg) and its publication rounds."""
+    from dsv4.harness import goldens as G
     from dsv4.harness import graph as GR
     reg = registry()
     ids = GR.subgraph_ids(reg, focus)
@@ -130,20 +155,21 @@ def graph_cmd(fmt, focus, rounds, out, platform, as_json):
         doc["rounds"] = [r for r in rr if r]
         if not as_json:
             for k, r in enumerate(doc["rounds"]):
-                click.echo(f"round {k}: {' '.join(r)}", err=True)
+                click.echo(f"round {k}: {' '.join(r)}")
     if fmt in ("png", "svg"):
         path = Path(out or f"slice_graph.{fmt}")
         if path.suffix != f".{fmt}":
             raise BadInput(f"--out {path}: suffix must be .{fmt}")
-        GR.draw(reg, ids, path, platform)
+        GR.draw(reg, ids, path, platform, labels)
         doc["file"] = str(path)
         if not as_json:
-            click.echo(f"wrote {path}", err=True)
+            click.echo(f"wrote {path}")
     elif not rounds or fmt != "text":
-        text = {"text": GR.text_tree, "mermaid": GR.mermaid, "dot": GR.dot}[fmt](reg, ids, platform)
+        text = GR.text_tree(reg, ids, platform) if fmt == "text" else \
+            {"mermaid": GR.mermaid, "dot": GR.dot}[fmt](reg, ids, platform, labels)
         doc[fmt] = text
         if out:
-            Path(out).write_text(text + "\n")
+            G.atomic_write_text(Path(out), text + "\n")
             doc["file"] = out
         if not as_json:
             click.echo(text)
@@ -180,21 +206,19 @@ def verify_cmd(sid, with_deps, platform, mode, report_dir, junit, skip_tests, wo
             doc = {"platform": platform, "verdict": V.CANNOT_JUDGE, "exit_code": 2,
                    "slices": [{"id": s.id, "verdict": V.CANNOT_JUDGE, "status": s.status[platform],
                                "detail": f"slice {s.id} is {s.status[platform]} on {platform}: nothing to judge"}]}
-            click.echo(f"dsv4: slice {s.id} is {s.status[platform]} on {platform}: cannot judge", err=True)
+            click.echo(f"verify {platform}: CANNOT JUDGE (slice {s.id} is {s.status[platform]} on {platform})",
+                       err=as_json)
             if as_json:
                 emit_json(doc)
             sys.exit(2)
+    say = lambda m: click.echo(m, err=as_json)                     # noqa: E731 - results: stdout unless --json
     doc = V.verify(reg, ids, platform, mode, Path(junit) if junit else None, workers,
-                   only_implemented=True, run_tests=not skip_tests)
+                   only_implemented=True, run_tests=not skip_tests, say=say)
     if report_dir:
         p = V.write_report(doc, Path(report_dir))
         click.echo(f"report: {p}", err=True)
-    click.echo(f"verify {platform}: {doc['verdict'].upper()} "
-               f"({sum(s['verdict'] == 'pass' for s in doc['slices'])} pass, "
-               f"{sum(s['verdict'] == 'regression' for s in doc['slices'])} regression, "
-               f"{sum(s['verdict'] == 'cannot-judge' for s in doc['slices'])} cannot judge, "
-               f"{sum(s['verdict'] == 'skipped' for s in doc['slices'])} not implemented) in {doc['elapsed_s']}s",
-               err=True)
+    for line in V.summary_lines(doc):
+        say(line)
     if as_json:
         emit_json(doc)
     sys.exit(doc["exit_code"])
@@ -216,7 +240,7 @@ def regen_cmd(sid, platform, cases, as_json):
     select_triton_interpreter()
     from dsv4.harness import verify as V
     reg = registry()
-    changes = V.regen(reg, reg.get(sid), platform, list(cases) or None)
+    changes = V.regen(reg, reg.get(sid), platform, list(cases) or None, say=lambda m: click.echo(m, err=as_json))
     if as_json:
         emit_json({"slice": reg.get(sid).id, "platform": platform, "changes": changes})
 
@@ -238,12 +262,11 @@ def diff_cmd(sid, platform, as_json):
         if platform not in c.platforms or c.name not in sl.golden_cases:
             continue
         enc = G.encode_outputs(V.run_case(c, V.PLATFORM_DEVICE[platform]), MAX_ELEMS)
-        old = G.load_case(platform, sl.name, c.name)
-        lines = G.diff_outputs(old["outputs"] if old else None, enc)
+        lines = G.diff_case(platform, sl.name, c.name, sl.id, enc)
         changed |= lines != ["  = unchanged"]
-        click.echo(f"{sl.id}/{c.name}:", err=True)
+        click.echo(f"{sl.id}/{c.name}:", err=as_json)
         for line in lines:
-            click.echo(line, err=True)
+            click.echo(line, err=as_json)
         out.append({"case": c.name, "diff": lines})
     if as_json:
         emit_json({"slice": sl.id, "platform": platform, "changed": changed, "cases": out})
@@ -262,7 +285,7 @@ def spread_cmd(sids, cases, as_json):
     docs = [numerics.spread_slice(reg.get(sid), list(cases) or None) for sid in sids]
     for d in docs:
         for r in d["checks"]:
-            click.echo(numerics.fmt_spread(r))
+            click.echo(numerics.fmt_spread(r), err=as_json)
     bad = [r for d in docs for r in d["checks"] if r["verdict"] != "pass"]
     if as_json:
         emit_json({"slices": docs, "exit_code": 1 if bad else 0})
@@ -276,17 +299,20 @@ def spread_cmd(sids, cases, as_json):
 @click.option("--name", required=True, help="Golden name, e.g. proxy_curve.")
 @click.option("--step-interval", default=1, type=int)
 @click.option("--metrics", default=None, help="Comma list (default: all Megatron golden metrics found).")
+@click.option("--force", is_flag=True, help="Replace an existing golden of that name (its diff is printed).")
 @click.option("--json", "as_json", is_flag=True)
-def import_cmd(logdir, platform, sid, name, step_interval, metrics, as_json):
+def import_cmd(logdir, platform, sid, name, step_interval, metrics, force, as_json):
     """Read a Megatron run's TensorBoard event files into a golden (Megatron golden-values JSON)."""
     from dsv4.harness import tbimport
     reg = registry()
     sl = reg.get(sid)
-    path, doc = tbimport.import_run(Path(logdir), platform, sl, name, step_interval,
-                                    metrics.split(",") if metrics else None)
-    click.echo(f"wrote {path} ({', '.join(doc)})", err=True)
+    path, doc, diff = tbimport.import_run(Path(logdir), platform, sl, name, step_interval,
+                                          metrics.split(",") if metrics else None, force)
+    click.echo(f"wrote {path} ({', '.join(doc)})", err=as_json)
+    for line in diff:
+        click.echo(line, err=as_json)
     if as_json:
-        emit_json({"file": str(path), "metrics": {k: len(v["values"]) for k, v in doc.items()}})
+        emit_json({"file": str(path), "metrics": {k: len(v["values"]) for k, v in doc.items()}, "diff": diff})
 
 
 # ------------------------------------------------------------------------------------------- bench
@@ -340,11 +366,13 @@ def compare_cmd(run, golden, mode, metrics, report_dir, as_json):
         click.echo(f"  [{r['verdict'].upper():4}] {r['check']:24} max|abs| {r.get('max_abs', float('nan')):.3e} "
                    f"max|rel| {r.get('max_rel', float('nan')):.3e} tol {tol}"
                    + (f" failing {r.get('n_failing')}/{r.get('steps')} (allowed {r.get('allowed_failures')})"
-                      if r.get("steps") else ""), err=True)
+                      if r.get("steps") else "") + (f"  -- {r['detail']}" if r.get("detail") else ""), err=as_json)
     if report_dir:
         doc["report"] = str(R.write_report(doc, Path(report_dir)))
         click.echo(f"report: {doc['report']}", err=True)
-    click.echo(f"compare: {doc['verdict'].upper()}", err=True)
+    why = next((f"{c['check']}: {c['detail'].removeprefix('cannot judge: ')}" for c in doc["checks"]
+                if c["verdict"] == doc["verdict"] == "cannot-judge"), "")
+    click.echo(f"compare: {doc['verdict'].upper().replace('-', ' ')}" + (f" ({why})" if why else ""), err=as_json)
     if as_json:
         emit_json(doc)
     sys.exit(doc["exit_code"])

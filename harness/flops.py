@@ -256,12 +256,12 @@ def flops_cmd(config, seq, routing_stats, as_json):
         click.echo(json.dumps(res, indent=1))
         return
     click.echo(f"config {name}  seq {seq}  active params {_fmt(res['active_params'])}  "
-               f"total params {_fmt(res['total_params'])}", err=True)
-    click.echo(f"{'component':24s} {'forward':>10s} {'backward':>10s} {'total':>10s}   (FLOPs per token)", err=True)
+               f"total params {_fmt(res['total_params'])}")
+    click.echo(f"{'component':24s} {'forward':>10s} {'backward':>10s} {'total':>10s}   (FLOPs per token)")
     for k in COMPONENTS:
         click.echo(f"{k:24s} {_fmt(res['forward'][k]):>10s} {_fmt(res['backward'][k]):>10s} "
-                   f"{_fmt(res['total'][k]):>10s}", err=True)
+                   f"{_fmt(res['total'][k]):>10s}")
     click.echo(f"{'TOTAL':24s} {_fmt(res['forward_flops_per_token']):>10s} "
-               f"{_fmt(res['backward_flops_per_token']):>10s} {_fmt(res['total_training_flops_per_token']):>10s}", err=True)
+               f"{_fmt(res['backward_flops_per_token']):>10s} {_fmt(res['total_training_flops_per_token']):>10s}")
     click.echo(f"6 * N_active(matmul) = {_fmt(6 * res['params']['active_matmul_params'])}; "
-               f"parameter FLOPs = {_fmt(res['param_flops_per_token'])}", err=True)
+               f"parameter FLOPs = {_fmt(res['param_flops_per_token'])}")

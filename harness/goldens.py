@@ -1,5 +1,9 @@
 """Golden store: `goldens/<platform>/<slice>/<case>.json`, written atomically, each with provenance.
 
+A golden that cannot be judged (its format/slice/case/platform disagree with its path, an unknown output
+kind, len(values) != prod(shape), a missing key, a bad dtype, a string where a number belongs) is refused by
+check_golden in one line naming the file and the field; verify reports it as cannot-judge (exit 2).
+
 A tensor-case golden file:
     {"format": "dsv4-golden/1", "slice": "P6", "case": "...", "platform": "cpu",
      "provenance": {git_sha, git_dirty, config_hash, seed, torch, python, platform, host, created},
@@ -79,21 +83,44 @@ def provenance(platform: str, config=None, seed=None, command: str | None = None
 
 
 # ------------------------------------------------------------------------------------------- atomic IO
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` so that a reader sees the old file or the new one, never half of one."""
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that a reader sees the old file or the new one, never half of one.
+
+    The file gets the mode a plain open() would give (0666 minus the umask), not mkstemp's 0600. An OSError
+    (a full disk, say) leaves the old file as it was and is re-raised naming `path`.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as e:
+        if tmp and os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno is not None:
+            raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from None
         raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_savefig(fig, path: Path, **kw) -> Path:
+    """A matplotlib figure written with atomic_write_bytes (format from the suffix)."""
+    import io
+    buf = io.BytesIO()
+    fig.savefig(buf, format=Path(path).suffix.lstrip(".") or "png", **kw)
+    atomic_write_bytes(path, buf.getvalue())
+    return Path(path)
 
 
 def atomic_write_json(path: Path, obj) -> None:
@@ -167,14 +194,90 @@ def case_path(platform: str, slice_name: str, case: str) -> Path:
     return GOLDENS / platform / slice_name / f"{case}.json"
 
 
-def load_case(platform: str, slice_name: str, case: str) -> dict | None:
+def load_case(platform: str, slice_name: str, case: str, slice_id: str | None = None) -> dict | None:
+    """The golden of one case, or None if there is none; a golden that cannot be judged is a GoldenError."""
     p = case_path(platform, slice_name, case)
     if not p.exists():
         return None
-    g = read_json(p)
-    if g.get("format") != FORMAT or "outputs" not in g or "provenance" not in g:
-        raise GoldenError(f"{_rel(p)}: not a {FORMAT} golden (missing format/outputs/provenance)")
+    return check_golden(read_json(p), p, {"slice": slice_id or slice_name, "case": case, "platform": platform})
+
+
+# ------------------------------------------------------------------------------------------- validation
+OUTPUT_KINDS = ("tensor", "float", "int", "curve")
+NONFINITE = ("nan", "inf", "-inf")
+
+
+def _num_ok(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) or v in NONFINITE
+
+
+def check_golden(g, path: Path, expect: dict | None = None) -> dict:
+    """`g` if it is a golden that can be judged, else a GoldenError naming the file and the field: the format,
+    slice/case/platform against `expect` (what its path says), every output's kind, dtype, shape and values."""
+    where = _rel(path)
+
+    def bad(field, why):
+        raise GoldenError(f"{where}: {field}: {why}")
+    if not isinstance(g, dict) or g.get("format") != FORMAT:
+        bad("format", f"is {g.get('format') if isinstance(g, dict) else g!r}, expected {FORMAT!r}")
+    for k in ("slice", "case", "platform", "provenance", "outputs"):
+        if k not in g:
+            bad(k, "missing")
+    for k, v in (expect or {}).items():
+        if g[k] != v:
+            bad(k, f"is {g[k]!r} but its path says {v!r}")
+    if g.get("scope", "portable") not in ("portable", "same-host"):
+        bad("scope", f"{g['scope']!r} is not portable|same-host")
+    if not isinstance(g["outputs"], dict) or not g["outputs"]:
+        bad("outputs", "empty or not an object: cannot judge")
+    for name, o in g["outputs"].items():
+        f = f"outputs.{name}"
+        if not isinstance(o, dict) or o.get("kind") not in OUTPUT_KINDS:
+            bad(f"{f}.kind", f"{o.get('kind') if isinstance(o, dict) else o!r} is not one of {', '.join(OUTPUT_KINDS)}")
+        need = {"tensor": ("dtype", "shape", "values"), "float": ("value",), "int": ("value",),
+                "curve": ("metrics",)}[o["kind"]]
+        for k in need:
+            if k not in o:
+                bad(f"{f}.{k}", "missing")
+        if o["kind"] == "tensor":
+            dtype = getattr(torch, str(o["dtype"]), None)
+            if not isinstance(dtype, torch.dtype):
+                bad(f"{f}.dtype", f"{o['dtype']!r} is not a torch dtype")
+            if not isinstance(o["shape"], list) or not all(isinstance(n, int) and n >= 0 for n in o["shape"]):
+                bad(f"{f}.shape", f"{o['shape']!r} is not a list of sizes")
+            if not isinstance(o["values"], list) or len(o["values"]) != math.prod(o["shape"]):
+                n = len(o["values"]) if isinstance(o["values"], list) else type(o["values"]).__name__
+                bad(f"{f}.values", f"holds {n} values, shape {o['shape']} needs {math.prod(o['shape'])}")
+            ok = (_num_ok if dtype.is_floating_point else
+                  (lambda v: isinstance(v, bool)) if dtype == torch.bool else
+                  (lambda v: isinstance(v, int) and not isinstance(v, bool)))
+            i = next((i for i, v in enumerate(o["values"]) if not ok(v)), None)
+            if i is not None:
+                bad(f"{f}.values[{i}]", f"{o['values'][i]!r} is not a {o['dtype']} value")
+        elif o["kind"] == "float" and not _num_ok(o["value"]):
+            bad(f"{f}.value", f"{o['value']!r} is not a number")
+        elif o["kind"] == "int" and not (isinstance(o["value"], int) and not isinstance(o["value"], bool)):
+            bad(f"{f}.value", f"{o['value']!r} is not an integer")
+        elif o["kind"] == "curve":
+            check_curves(o["metrics"], where, f"{f}.metrics")
     return g
+
+
+def check_curves(doc, where: str, field: str = "") -> dict:
+    """Megatron golden-values curves {metric: {start_step, end_step, step_interval, values}} that can be judged."""
+    pre = f"{field}." if field else ""
+    if not isinstance(doc, dict) or not doc:
+        raise GoldenError(f"{where}: {field or 'metrics'}: no metrics: cannot judge")
+    for m, c in doc.items():
+        if not isinstance(c, dict) or not {"start_step", "end_step", "step_interval", "values"} <= set(c):
+            raise GoldenError(f"{where}: {pre}{m}: metric is not in Megatron golden-values format "
+                              f"(needs ['end_step', 'start_step', 'step_interval', 'values'])")
+        if not isinstance(c["values"], dict):
+            raise GoldenError(f"{where}: {pre}{m}.values: not an object of step -> value")
+        for k, v in c["values"].items():
+            if not str(k).isdigit() or not _num_ok(v):
+                raise GoldenError(f"{where}: {pre}{m}.values[{k!r}]: {v!r} is not a number or 'nan'")
+    return doc
 
 
 def coverage(platform: str, slice_name: str) -> int:
@@ -190,8 +293,8 @@ def compare_output(name: str, golden: dict, actual, tol: dict, mode: str = "dete
     rec = {"check": name, "kind": golden["kind"]}
     if golden["kind"] == "curve":
         subs = [compare_metric(m, g, (actual or {}).get(m), mode) for m, g in golden["metrics"].items()]
-        bad = [s for s in subs if s["verdict"] != "pass"]
-        rec.update(verdict="fail" if bad else "pass", metrics=subs,
+        verdicts = {s["verdict"] for s in subs}
+        rec.update(verdict="fail" if "fail" in verdicts else ("error" if verdicts - {"pass"} else "pass"), metrics=subs,
                    max_abs=max((s.get("max_abs", 0.0) for s in subs), default=0.0),
                    max_rel=max((s.get("max_rel", 0.0) for s in subs), default=0.0),
                    atol=0.0 if mode == "deterministic" else None, rtol=0.0 if mode == "deterministic" else None,
@@ -241,6 +344,15 @@ def compare_output(name: str, golden: dict, actual, tol: dict, mode: str = "dete
     return rec
 
 
+def diff_case(platform: str, slice_name: str, case: str, slice_id: str, new: dict) -> list[str]:
+    """What writing outputs `new` changes in a case's golden; a golden that cannot be judged is replaced."""
+    try:
+        old = load_case(platform, slice_name, case, slice_id)
+    except GoldenError as e:
+        return [f"  ! replaces a golden that cannot be judged ({e})"]
+    return diff_outputs(old["outputs"] if old else None, new)
+
+
 def diff_outputs(old: dict | None, new: dict) -> list[str]:
     """Human lines describing what a regen changes."""
     if old is None:
@@ -258,8 +370,31 @@ def diff_outputs(old: dict | None, new: dict) -> list[str]:
                 fin = torch.isfinite(a) & torch.isfinite(b)
                 d = float((a - b).abs()[fin].max()) if fin.any() else float("nan")
                 lines.append(f"  ~ {name}: {int((a != b).sum())}/{a.numel()} values changed, max |diff| {d:.3e}")
+            elif o["kind"] == n["kind"] == "curve":
+                lines += [f"  ~ {name}.{line}" for line in diff_curves(o["metrics"], n["metrics"])]
             elif o["kind"] in ("float", "int") and o["kind"] == n["kind"]:
                 lines.append(f"  ~ {name}: {o['value']} -> {n['value']}")
             else:
                 lines.append(f"  ~ {name}: changed ({o['kind']} -> {n['kind']})")
     return lines or ["  = unchanged"]
+
+
+def diff_curves(old: dict, new: dict) -> list[str]:
+    """What changes between two Megatron golden-values documents, one line per changed metric."""
+    lines = []
+    for m in sorted(set(old) | set(new)):
+        if m not in new:
+            lines.append(f"{m}: removed")
+        elif m not in old:
+            lines.append(f"{m}: added ({len(new[m]['values'])} steps)")
+        elif old[m] != new[m]:
+            o, n = old[m]["values"], new[m]["values"]
+            steps = set(o) | set(n)
+            changed = [k for k in steps if o.get(k) != n.get(k)]
+            d = [abs(float(o[k]) - float(n[k])) for k in changed if k in o and k in n]
+            d = [x for x in d if math.isfinite(x)]
+            lines.append(f"{m}: {len(changed)}/{len(steps)} steps changed"
+                         + (f", max |diff| {max(d):.3e}" if d else "")
+                         + (f", steps {min(map(int, o), default=0)}..{max(map(int, o), default=0)} -> "
+                            f"{min(map(int, n), default=0)}..{max(map(int, n), default=0)}" if set(o) != set(n) else ""))
+    return lines

@@ -1,10 +1,12 @@
 """The slice dependency DAG: text tree, Mermaid, Graphviz dot, and a PNG/SVG drawn with networkx + matplotlib."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import networkx as nx
 
+from .goldens import atomic_savefig
 from .registry import Registry
 
 STATUS_COLOURS = {"planned": "#d9d9d9", "implemented": "#9ecae1", "verified": "#74c476"}
@@ -44,14 +46,23 @@ def text_tree(reg: Registry, ids: list[str], platform: str = "cpu") -> str:
     return "\n".join(lines)
 
 
-def mermaid(reg: Registry, ids: list[str], platform: str = "cpu") -> str:
+def _dot_str(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _mermaid_str(text: str) -> str:
+    return text.replace('"', "#quot;")
+
+
+def mermaid(reg: Registry, ids: list[str], platform: str = "cpu", labels: bool = False) -> str:
     def nid(s):
         return "X" + s[1:] if s.startswith("#") else s
     out = ["graph TD"]
     for sid in ids:
         s = reg.slices[sid]
         shape = ("[[", "]]") if s.kind == "external" else ("[", "]")
-        out.append(f'  {nid(sid)}{shape[0]}"{sid}: {s.title[:40]}"{shape[1]}:::{s.status[platform]}')
+        text = _mermaid_str(f"{sid}: {s.title[:40]}" if labels else sid)
+        out.append(f'  {nid(sid)}{shape[0]}"{text}"{shape[1]}:::{s.status[platform]}')
     g = to_nx(reg, ids)
     for a, b in g.edges:
         out.append(f"  {nid(a)} --> {nid(b)}")
@@ -60,15 +71,16 @@ def mermaid(reg: Registry, ids: list[str], platform: str = "cpu") -> str:
     return "\n".join(out)
 
 
-def dot(reg: Registry, ids: list[str], platform: str = "cpu") -> str:
+def dot(reg: Registry, ids: list[str], platform: str = "cpu", labels: bool = False) -> str:
     out = ["digraph slices {", "  rankdir=LR;", '  node [style=filled, fontname="Helvetica"];']
     for sid in ids:
         s = reg.slices[sid]
         shape = "box, peripheries=2, style=\"filled,dashed\"" if s.kind == "external" else "box"
-        out.append(f'  "{sid}" [label="{sid}\\n{s.title[:32]}", shape={shape}, '
+        label = _dot_str(sid) + ("\\n" + _dot_str(s.title[:32]) if labels else "")
+        out.append(f'  "{_dot_str(sid)}" [label="{label}", shape={shape}, '
                    f'fillcolor="{STATUS_COLOURS[s.status[platform]]}"];')
     for a, b in to_nx(reg, ids).edges:
-        out.append(f'  "{a}" -> "{b}";')
+        out.append(f'  "{_dot_str(a)}" -> "{_dot_str(b)}";')
     out.append("}")
     return "\n".join(out)
 
@@ -87,7 +99,8 @@ def layered_positions(reg: Registry, ids: list[str]) -> dict[str, tuple[float, f
     return pos
 
 
-def draw(reg: Registry, ids: list[str], path: Path, platform: str = "cpu") -> Path:
+def draw(reg: Registry, ids: list[str], path: Path, platform: str = "cpu", labels: bool = False) -> Path:
+    """PNG/SVG of the DAG, written atomically (a full disk leaves an existing file as it was)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -118,6 +131,10 @@ def draw(reg: Registry, ids: list[str], path: Path, platform: str = "cpu") -> Pa
     nx.draw_networkx_edges(g, pos, edgelist=implied, ax=ax, arrows=True, arrowsize=8, width=0.7, style=":",
                            edge_color="#bbbbbb", node_size=1500, connectionstyle="arc3,rad=0.06")
     nx.draw_networkx_labels(g, pos, ax=ax, font_size=10, font_weight="bold")
+    if labels:       # the title, wrapped, under each node
+        for n, (x, y) in pos.items():
+            ax.text(x, y - 0.42, textwrap.fill(reg.slices[n].title, 22), ha="center", va="top", fontsize=6.5,
+                    color="#333333")
     for x in sorted({p[0] for p in pos.values()}):
         ax.text(x, max(p[1] for p in pos.values()) + 0.9, f"round {int(x // 3)}", ha="center", fontsize=10,
                 color="#555555")
@@ -134,8 +151,7 @@ def draw(reg: Registry, ids: list[str], path: Path, platform: str = "cpu") -> Pa
     ys = [p[1] for p in pos.values()]
     ax.set_ylim(min(ys) - 2.2, max(ys) + 1.4)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format=path.suffix.lstrip("."))
-    plt.close(fig)
-    return path
+    try:
+        return atomic_savefig(fig, path)
+    finally:
+        plt.close(fig)

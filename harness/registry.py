@@ -1,7 +1,12 @@
 """Slice registry: one `slices/<folder>/manifest.toml` per node of the merge plan's dependency DAG.
 
 The registry refuses, with one line naming the culprit: a manifest that cannot be parsed, a missing or
-mistyped field, a duplicate id, an unknown dependency, a cycle (printed), an unknown status value.
+mistyped field, a duplicate id, an unknown dependency, a cycle (printed), an unknown status value, and a slice
+`verified` on a platform where one of its dependencies is `planned`, unless its manifest waives that dependency:
+
+    [[waiver]]
+    dependency = "P11"
+    reason = "why the slice's checks do not need it"
 """
 from __future__ import annotations
 
@@ -40,6 +45,10 @@ class Slice:
     status: dict
     folder: Path
     depends_on_note: str = ""
+    waiver: list = dataclasses.field(default_factory=list)    # [{dependency, reason}]
+
+    def waived(self, dep: str) -> str | None:
+        return next((w["reason"] for w in self.waiver if w["dependency"] == dep), None)
 
     @property
     def name(self) -> str:          # folder name, used for golden paths: goldens/<platform>/<name>/
@@ -69,7 +78,7 @@ def _load_manifest(path: Path) -> Slice:
             raise RegistryError(f"{rel}: missing field '{field}'")
         if not isinstance(data[field], typ):
             raise RegistryError(f"{rel}: field '{field}' must be a {typ.__name__}")
-    extra = set(data) - set(REQUIRED) - {"depends_on_note"}
+    extra = set(data) - set(REQUIRED) - {"depends_on_note", "waiver"}
     if extra:
         raise RegistryError(f"{rel}: unknown field '{sorted(extra)[0]}'")
     if data["kind"] not in KINDS:
@@ -85,6 +94,12 @@ def _load_manifest(path: Path) -> Slice:
         for f in data[field]:
             if not (REPO / f).exists():
                 raise RegistryError(f"{rel}: field '{field}' lists {f}, which does not exist")
+    for i, w in enumerate(data.get("waiver", [])):
+        if not isinstance(w, dict) or set(w) != {"dependency", "reason"} or not all(
+                isinstance(v, str) and v.strip() for v in w.values()):
+            raise RegistryError(f"{rel}: waiver[{i}] must be a table with exactly a 'dependency' and a 'reason'")
+        if w["dependency"] not in data["depends_on"]:
+            raise RegistryError(f"{rel}: waiver[{i}] waives {w['dependency']!r}, which is not in depends_on")
     return Slice(folder=path.parent, **data)
 
 
@@ -132,6 +147,12 @@ class Registry:
         cyc = find_cycle({k: v.depends_on for k, v in self.slices.items()})
         if cyc:
             raise RegistryError("dependency cycle: " + " -> ".join(cyc))
+        for s in slices:
+            for p in PLATFORMS:
+                for d in s.depends_on if s.status[p] == "verified" else []:
+                    if self.slices[d].status[p] == "planned" and not s.waived(d):
+                        raise RegistryError(f"{_rel(s.folder)}/manifest.toml: status.{p} is 'verified' but its "
+                                            f"dependency {d} is 'planned' on {p} (add a [[waiver]] with a reason)")
 
     @classmethod
     def load(cls, root: Path = SLICES_DIR) -> "Registry":

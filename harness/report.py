@@ -7,9 +7,7 @@ import math
 from pathlib import Path
 
 from . import goldens as G
-from .thresholds import CHECK_THRESHOLDS, DEFAULT_METRICS, compare_metric
-
-METRIC_KEYS = {"start_step", "end_step", "step_interval", "values"}
+from .thresholds import CANNOT_JUDGE, CHECK_THRESHOLDS, DEFAULT_METRICS, compare_metric
 
 
 class CompareError(ValueError):
@@ -17,30 +15,33 @@ class CompareError(ValueError):
 
 
 def load_curves(path: Path) -> tuple[dict, dict]:
-    """(metrics in Megatron golden format, provenance) from a run dir, a Megatron JSON, or a dsv4 golden."""
+    """(metrics in Megatron golden format, provenance) from a run dir, a Megatron JSON, or a dsv4 golden.
+
+    A run dir's provenance is its `provenance.json` (written by `dsv4 train`), else its `run.json`; a Megatron
+    JSON's is its sidecar `<stem>.provenance.json`. Curves that cannot be judged are a GoldenError (exit 2).
+    """
     path = Path(path)
     prov: dict = {}
     if path.is_dir():
         cand = path / "golden_values.json"
         if not cand.exists():
             raise G.GoldenError(f"{path}: run directory has no golden_values.json")
-        if (path / "run.json").exists():
-            prov = G.read_json(path / "run.json").get("provenance", {})
+        for name in ("provenance.json", "run.json"):
+            if (path / name).exists():
+                prov = G.read_json(path / name)
+                break
         path = cand
     doc = G.read_json(path)
     side = path.with_name(path.stem + ".provenance.json")
     if side.exists():
         prov = G.read_json(side)
-    if doc.get("format") == G.FORMAT:
+    if isinstance(doc, dict) and doc.get("format") == G.FORMAT:
+        G.check_golden(doc, path)
         curves = [o for o in doc["outputs"].values() if o["kind"] == "curve"]
         if len(curves) != 1:
             raise G.GoldenError(f"{path}: dsv4 golden holds {len(curves)} curve outputs, expected 1")
         return curves[0]["metrics"], doc.get("provenance", {})
-    for k, v in doc.items():
-        if not isinstance(v, dict) or not METRIC_KEYS <= set(v):
-            raise G.GoldenError(f"{path}: metric {k!r} is not in Megatron golden-values format "
-                                f"(needs {sorted(METRIC_KEYS)})")
-    return doc, prov
+    return G.check_curves(doc, str(path)), prov
 
 
 def compare_files(run: Path, golden: Path, mode: str, metrics: list[str] | None) -> dict:
@@ -50,11 +51,12 @@ def compare_files(run: Path, golden: Path, mode: str, metrics: list[str] | None)
     names = metrics or [m for m in DEFAULT_METRICS if m in gc] or list(gc)
     missing = [m for m in names if m not in gc]
     if missing:
-        raise G.GoldenError(f"{golden}: golden has no metric {missing[0]!r}")
+        raise G.GoldenError(f"{golden}: golden has no metric {missing[0]!r}: cannot judge")
     checks = [compare_metric(m, gc[m], rc.get(m), mode) for m in names]
-    code = 1 if any(c["verdict"] != "pass" for c in checks) else 0
+    verdicts = {c["verdict"] for c in checks}
+    code = 1 if "fail" in verdicts else (2 if verdicts - {"pass"} or not checks else 0)
     return {"run": str(run), "golden": str(golden), "mode": mode, "checks": checks,
-            "verdict": "pass" if code == 0 else "regression", "exit_code": code,
+            "verdict": {0: "pass", 1: "regression", 2: CANNOT_JUDGE}[code], "exit_code": code,
             "run_curves": rc, "golden_curves": gc, "run_provenance": rprov, "golden_provenance": gprov}
 
 
@@ -63,11 +65,14 @@ def _series(m: dict) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def plot_metric(metric: str, golden: dict, run: dict | None, mode: str, path: Path) -> Path:
+def plot_metric(metric: str, golden: dict, run: dict | None, check: dict, path: Path) -> Path:
+    """Golden vs run (tolerance band in approximate mode), relative difference below; the failing steps are
+    marked on both panels and the verdict is in the title (in exact mode a failure is otherwise invisible)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    mode = check["mode"]
     gx, gy = _series(golden)
     fig, (ax, axr) = plt.subplots(2, 1, figsize=(8, 5.5), dpi=110, sharex=True,
                                   gridspec_kw={"height_ratios": [3, 1.3]})
@@ -87,26 +92,44 @@ def plot_metric(metric: str, golden: dict, run: dict | None, mode: str, path: Pa
         if rtol:
             axr.axhline(rtol, color="#999", ls=":", lw=1)
             axr.axhline(-rtol, color="#999", ls=":", lw=1)
+        fails = check.get("failing_steps", [])
+        if fails:
+            gd = dict(zip(gx, gy))
+            fy = [rd.get(s, math.nan) if math.isfinite(rd.get(s, math.nan)) else gd.get(s, math.nan) for s in fails]
+            ax.scatter(fails, fy, marker="x",
+                       color="#b2182b", s=40, zorder=5, label=f"failing steps ({len(fails)})")
+            for s in fails:
+                axr.axvline(s, color="#b2182b", lw=0.6, alpha=0.5)
     axr.axhline(0, color="#333", lw=0.6)
     axr.set_ylabel("(run−golden)/|golden|")
     axr.set_xlabel("step")
     ax.set_ylabel(metric)
-    ax.set_title(f"{metric}: run vs golden")
+    first = f", first failing step {check['failing_steps'][0]}" if check.get("failing_steps") else ""
+    ax.set_title(f"{metric}: run vs golden: {check['verdict'].upper()} ({mode}{first})",
+                 color="#b2182b" if check["verdict"] != "pass" else "black")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     axr.grid(alpha=0.3)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    try:
+        return G.atomic_savefig(fig, path)
+    finally:
+        plt.close(fig)
+
+
+def _prov_line(p: dict) -> str:
+    if not p:
+        return "no provenance"
+    keys = ("git_sha", "git_dirty", "seed", "config_hash", "torch", "platform", "host_cpu")
+    return ", ".join(f"{k} {str(p[k])[:12]}" for k in keys if p.get(k) is not None) or "provenance: see below"
 
 
 def write_report(doc: dict, out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"# dsv4 compare — **{doc['verdict']}** ({doc['mode']} mode)", "",
-             f"- run: `{doc['run']}`", f"- golden: `{doc['golden']}`", "",
+             f"- run: `{doc['run']}` ({_prov_line(doc['run_provenance'])})",
+             f"- golden: `{doc['golden']}` ({_prov_line(doc['golden_provenance'])})", "",
              "| metric | verdict | max abs | max rel | tolerance | failing steps (allowed) |",
              "|---|---|---|---|---|---|"]
     for c in doc["checks"]:
@@ -119,7 +142,7 @@ def write_report(doc: dict, out_dir: Path) -> Path:
     for c in doc["checks"]:
         m = c["check"]
         fn = "plot_" + "".join(ch if ch.isalnum() else "_" for ch in m) + ".png"
-        plot_metric(m, doc["golden_curves"][m], doc["run_curves"].get(m), c["mode"], out_dir / fn)
+        plot_metric(m, doc["golden_curves"][m], doc["run_curves"].get(m), c, out_dir / fn)
         lines += [f"## {m}", "", f"![{m}]({fn})", ""]
     lines += ["## Provenance", "", "Run:", "```json", json.dumps(doc["run_provenance"], indent=1), "```",
               "Golden:", "```json", json.dumps(doc["golden_provenance"], indent=1), "```"]

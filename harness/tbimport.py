@@ -15,19 +15,67 @@ GOLDEN_METRICS = ("iteration-time", "mem-allocated-bytes", "mem-max-allocated-by
                   "mtp_1 loss", "mtp_2 loss", "total loss")
 
 
-def read_scalars(logdir: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+def read_events(path: Path) -> list[tuple[int, str, float]]:
+    """(step, tag, value) of every scalar in one event file, in file order.
 
+    TensorBoard's own reader stops silently at a truncated or corrupt record (half a run imports as if it were
+    all of it); this one checks every record's length and CRCs and refuses the file naming the byte offset.
+    """
+    import struct
+
+    from google.protobuf.message import DecodeError
+    from tensorboard.compat.proto import event_pb2
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+    from tensorboard.util import tensor_util
+
+    data, pos, out = Path(path).read_bytes(), 0, []
+
+    def bad(why):
+        raise G.GoldenError(f"{path}: corrupt or truncated event file: record at byte {pos}: {why}")
+    while pos < len(data):
+        if len(data) - pos < 12:
+            bad(f"{len(data) - pos} bytes left, a record header needs 12")
+        (n,), (crc,) = struct.unpack("<Q", data[pos:pos + 8]), struct.unpack("<I", data[pos + 8:pos + 12])
+        if masked_crc32c(data[pos:pos + 8]) != crc:
+            bad("length CRC mismatch")
+        if len(data) - pos < n + 16:
+            bad(f"{len(data) - pos} bytes left, the record needs {n + 16}")
+        body = data[pos + 12:pos + 12 + n]
+        if masked_crc32c(body) != struct.unpack("<I", data[pos + 12 + n:pos + 16 + n])[0]:
+            bad("data CRC mismatch")
+        try:
+            ev = event_pb2.Event.FromString(body)
+        except DecodeError as e:
+            bad(f"not an Event ({e})")
+        for v in ev.summary.value:
+            if v.HasField("simple_value"):
+                out.append((int(ev.step), v.tag, float(v.simple_value)))
+            elif v.HasField("tensor") and v.metadata.plugin_data.plugin_name == "scalars":
+                out.append((int(ev.step), v.tag, float(tensor_util.make_ndarray(v.tensor).item())))
+        pos += n + 16
+    return out
+
+
+def read_scalars(logdir: Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} of a log dir holding one run: its event files (several when the run was resumed)
+    must not overlap, and within a file a tag's steps must go forward. Otherwise the dir holds two runs."""
     files = sorted(Path(logdir).rglob("events.out.tfevents.*"))
     if not files:
         raise G.GoldenError(f"{logdir}: no TensorBoard event files (events.out.tfevents.*)")
     out: dict[str, dict[int, float]] = {}
+    owner: dict[tuple[str, int], Path] = {}
     for f in files:
-        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
-            for ev in acc.Scalars(tag):
-                out.setdefault(tag, {})[int(ev.step)] = float(ev.value)
+        last: dict[str, int] = {}
+        for step, tag, value in read_events(f):
+            if tag in last and step <= last[tag]:
+                raise G.GoldenError(f"{f}: {tag!r} goes from step {last[tag]} back to step {step}: the file holds "
+                                    f"two runs; import one run at a time")
+            if (tag, step) in owner and owner[tag, step] != f:
+                raise G.GoldenError(f"{logdir}: two runs: {owner[tag, step]} and {f} both hold step {step} of "
+                                    f"{tag!r}; import one run at a time")
+            last[tag] = step
+            owner[tag, step] = f
+            out.setdefault(tag, {})[step] = value
     return out
 
 
@@ -52,15 +100,21 @@ def to_golden(scalars: dict[str, dict[int, float]], step_interval: int, metrics=
     return doc
 
 
-def import_run(logdir: Path, platform: str, sl, name: str, step_interval: int, metrics=None):
+def import_run(logdir: Path, platform: str, sl, name: str, step_interval: int, metrics=None, force: bool = False):
+    """Write the golden; returns (path, doc, diff lines). An existing golden is only replaced with `force`."""
     if step_interval < 1:
         raise G.GoldenError(f"--step-interval: must be >= 1, got {step_interval}")
     doc = to_golden(read_scalars(logdir), step_interval, metrics)
     path = G.GOLDENS / platform / sl.name / f"{name}.golden_values.json"
+    old = G.read_json(path) if path.exists() else None
+    if old is not None and not force:
+        raise G.GoldenError(f"{G._rel(path)}: already exists; pass --force to replace it (the diff is printed)")
+    diff = [f"  + new golden ({len(doc)} metrics: {', '.join(doc)})"] if old is None else \
+        ([f"  ~ {line}" for line in G.diff_curves(old, doc)] or ["  = unchanged"])
     importer = G.provenance(platform, command=f"dsv4 goldens import {logdir} --platform {platform} --slice {sl.id}")
     # the run was made elsewhere: its software versions are not ours; keep the importer's apart
     prov = {"platform": platform, "source_logdir": str(logdir), "source": "Megatron TensorBoard event files",
             "run_git_sha": None, "run_torch": None, "imported_by": importer}
     G.atomic_write_json(path.with_name(f"{name}.golden_values.provenance.json"), prov)
     G.atomic_write_json(path, doc)
-    return path, doc
+    return path, doc, diff

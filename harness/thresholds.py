@@ -6,7 +6,14 @@ Two modes:
 - approximate: per-metric rtol, and a number of failing steps allowed: min(max(n // 100, 1), 50).
 `iteration-time` is compared as one value, the median over a steady window (steps 5..20 when the last golden
 step is <= 25, else 30..45; fallback: the first 4 finite steps after the window start). FLOPs are exact.
-Missing values ("nan") count as +inf, so a missing step never passes.
+
+Non-finite values (a NaN or Inf, or "nan": Megatron's mark for a step that was not logged) mean:
+- in the run: a failure, at any step and in either mode (iteration-time: in its window); it is never one of
+  the allowed approximate failures;
+- in the golden: the golden cannot judge that step, which is left out and listed (`unjudged_steps`).
+Verdicts are pass | fail | cannot-judge: cannot-judge when the golden has no values, no finite value (so no
+step is judged), or ends before the run does (the run's later steps have nothing to be compared with), and
+when the run lacks the metric.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ CHECK_THRESHOLDS: dict[str, dict[str, tuple[float, float]]] = {
 }
 DEFAULT_METRICS = ("lm loss", "num-zeros", "mtp_1 loss")   # Megatron's default METRICS (+ MTP when present)
 MODES = ("deterministic", "approximate")
+CANNOT_JUDGE = "cannot-judge"
 
 
 def allowed_failures(n: int) -> int:
@@ -38,10 +46,7 @@ def allowed_failures(n: int) -> int:
 
 
 def _num(v) -> float:
-    if isinstance(v, str):
-        return math.inf          # "nan" in the golden format = missing
-    v = float(v)
-    return math.inf if math.isnan(v) else v
+    return float(v)              # "nan" / "inf" / "-inf" strings included
 
 
 def _isclose(a: float, b: float, atol: float, rtol: float) -> bool:
@@ -75,32 +80,50 @@ def compare_metric(metric: str, golden: dict, actual: dict | None, mode: str) ->
     gvals = {int(k): _num(v) for k, v in golden["values"].items()}
     avals = {int(k): _num(v) for k, v in (actual or {}).get("values", {}).items()}
     rec.update(atol=atol, rtol=rtol)
+    judged = sorted(s for s, v in gvals.items() if math.isfinite(v))
     if actual is None:
-        rec.update(verdict="fail", detail="metric missing from the run")
-        return rec
+        return _cannot(rec, "metric missing from the run")
+    if not judged:
+        return _cannot(rec, "golden has no values" if not gvals else "golden has no finite value")
+    if avals and max(avals) > max(gvals):
+        return _cannot(rec, f"golden ends at step {max(gvals)}, the run goes on to step {max(avals)}")
+    nonfinite = sorted(s for s, v in avals.items() if not math.isfinite(v))
+    unjudged = sorted(set(gvals) - set(judged))
+    rec.update(unjudged_steps=unjudged[:20], n_unjudged=len(unjudged))
     if metric == "iteration-time":
-        win = steady_window([s for s, v in gvals.items() if math.isfinite(v)])
-        g = statistics.median(gvals[s] for s in win) if win else math.inf
-        a_list = [avals.get(s, math.inf) for s in win]
-        a = statistics.median(a_list) if a_list else math.inf
-        ok = _isclose(a, g, atol, rtol)
-        rec.update(verdict="pass" if ok else "fail", golden=g, actual=a, window=[win[0], win[-1]] if win else [],
-                   max_abs=abs(a - g) if math.isfinite(a) and math.isfinite(g) else math.inf,
+        win = steady_window(judged)
+        g = statistics.median(gvals[s] for s in win)
+        a = statistics.median(avals.get(s, math.inf) for s in win)
+        nonfinite = [s for s in win if not math.isfinite(avals.get(s, math.inf))]     # only the window counts
+        ok = _isclose(a, g, atol, rtol) and not nonfinite
+        rec.update(verdict="pass" if ok else "fail", golden=g, actual=a, window=[win[0], win[-1]],
+                   max_abs=abs(a - g) if math.isfinite(a) else math.inf,
                    max_rel=abs(a - g) / abs(g) if math.isfinite(a) and g else math.inf)
+        if nonfinite:
+            rec["detail"] = f"run is missing or not finite at step {nonfinite[0]}"
         return rec
-    steps = sorted(gvals)
     bad, max_abs, max_rel = [], 0.0, 0.0
-    for s in steps:
+    for s in judged:
         g, a = gvals[s], avals.get(s, math.inf)
-        if math.isfinite(g) and math.isfinite(a):
+        if math.isfinite(a):
             max_abs = max(max_abs, abs(a - g))
             max_rel = max(max_rel, abs(a - g) / abs(g) if g else (0.0 if a == g else math.inf))
-        elif not (math.isinf(g) and math.isinf(a)):
+        else:
             max_abs = max_rel = math.inf
-        ok = _isclose(a, g, atol, rtol)
-        if not ok:
+        if not _isclose(a, g, atol, rtol):
             bad.append(s)
-    allowed = 0 if (mode == "deterministic" or len(steps) == 1) else allowed_failures(len(steps))
-    rec.update(verdict="pass" if len(bad) <= allowed else "fail", steps=len(steps), failing_steps=bad[:20],
-               n_failing=len(bad), allowed_failures=allowed, max_abs=max_abs, max_rel=max_rel)
+    allowed = 0 if (mode == "deterministic" or len(judged) == 1) else allowed_failures(len(judged))
+    missing = [s for s in judged if not math.isfinite(avals.get(s, math.inf))]
+    ok = len(bad) <= allowed and not nonfinite and not missing
+    failing = sorted(set(bad) | set(nonfinite))
+    rec.update(verdict="pass" if ok else "fail", steps=len(judged), failing_steps=failing,
+               n_failing=len(failing), allowed_failures=allowed, max_abs=max_abs, max_rel=max_rel)
+    if nonfinite or missing:
+        s0 = min(nonfinite + missing)
+        rec["detail"] = f"run is {'missing' if s0 not in avals else 'not finite'} at step {s0}"
+    return rec
+
+
+def _cannot(rec: dict, why: str) -> dict:
+    rec.update(verdict=CANNOT_JUDGE, detail=f"cannot judge: {why}")
     return rec

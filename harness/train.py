@@ -270,6 +270,8 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
                 "data": data_info, "flops_per_token": fl, "resumed_from": resume, "start_step": step0 + 1,
                 "command": " ".join(sys.argv)}
     _atomic_json(os.path.join(out, "run.json"), run_info)
+    from dsv4.harness.goldens import provenance          # what `dsv4 compare` reports for this run
+    _atomic_json(os.path.join(out, "provenance.json"), provenance(device.type, config=cfg.to_dict(), seed=seed))
 
     from torch.utils.tensorboard import SummaryWriter
     tb = SummaryWriter(log_dir=os.path.join(out, "tensorboard"))
@@ -417,5 +419,4 @@ def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, th
         click.echo(json.dumps(res))
     else:
         click.echo(f"{recipe}: {res['steps']} steps, lm loss {res['lm_loss_first']:.4f} -> {res['lm_loss_last']:.4f}, "
-                   f"{res['tokens_per_sec']:.0f} tokens/s, {res['wall_s']:.1f} s; wrote {res['golden_values']}",
-                   err=True)
+                   f"{res['tokens_per_sec']:.0f} tokens/s, {res['wall_s']:.1f} s; wrote {res['golden_values']}")

@@ -36,21 +36,30 @@ def _module_of(test_path: str) -> str:
     return test_path[:-3].replace("/", ".") if test_path.endswith(".py") else test_path.replace("/", ".")
 
 
-def run_pytest(paths: list[str], workers: int = 0) -> Path:
-    """Run pytest on `paths`, return the junit xml path (in a temp dir)."""
-    out = Path(tempfile.mkdtemp(prefix="dsv4-verify-")) / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={out}",
-           "-o", "junit_family=xunit1", *paths]
-    if workers:
-        cmd[4:4] = ["-n", str(workers)]
-    log(f"running: {' '.join(cmd[3:])}")
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    log(f"pytest exit {proc.returncode} in {time.time() - t0:.1f}s")
-    if not out.exists():
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
-        raise RuntimeError("pytest wrote no junit report: " + " | ".join(tail))
-    return out
+def run_pytest(paths: list[str], workers: int = 0) -> list[dict]:
+    """Run pytest on `paths`, streaming its per-test progress to stderr; the junit testcases (parse_junit).
+
+    The junit report lives in a temporary directory that is removed afterwards.
+    """
+    with tempfile.TemporaryDirectory(prefix="dsv4-verify-") as tmp:
+        out = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-v", "--tb=no", "--no-header", "-p", "no:cacheprovider",
+               f"--junitxml={out}", "-o", "junit_family=xunit1", *paths]
+        if workers:
+            cmd[4:4] = ["-n", str(workers)]
+        log(f"running: {' '.join(cmd[3:])}")
+        t0, tail = time.time(), []
+        with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              bufsize=1) as proc:
+            for line in proc.stdout:
+                line = line.rstrip()
+                if line:
+                    log(f"  pytest: {line}" if "::" in line else f"  {line}")
+                    tail = (tail + [line])[-5:]
+        log(f"pytest exit {proc.returncode} in {time.time() - t0:.1f}s")
+        if not out.exists():
+            raise RuntimeError("pytest wrote no junit report: " + " | ".join(tail))
+        return parse_junit(out)
 
 
 def parse_junit(path: Path) -> list[dict]:
@@ -134,7 +143,7 @@ def golden_checks(sl: Slice, platform: str, mode: str) -> list[dict]:
         if case is None or platform not in case.platforms:
             continue
         try:
-            golden = G.load_case(platform, sl.name, name)
+            golden = G.load_case(platform, sl.name, name, sl.id)
         except G.GoldenError as e:
             recs.append({"check": name, "kind": "golden", "verdict": "error", "detail": str(e)})
             continue
@@ -155,6 +164,7 @@ def golden_checks(sl: Slice, platform: str, mode: str) -> list[dict]:
                                        f"judged here (regen on this host to judge it)"})
                 continue
         t0 = time.time()
+        log(f"running golden case {sl.id}/{name} on {platform} ...")
         try:
             out = run_case(case, device)
         except Exception as e:  # noqa: BLE001
@@ -198,8 +208,10 @@ def fmt(r: dict) -> str:
 
 
 def verify(reg: Registry, ids: list[str], platform: str, mode: str, junit: Path | None = None,
-           workers: int = 0, only_implemented: bool = True, run_tests: bool = True) -> dict:
-    """Verify slices `ids` (already in dependency order). Returns the JSON-able result document."""
+           workers: int = 0, only_implemented: bool = True, run_tests: bool = True, say=log) -> dict:
+    """Verify slices `ids` (already in dependency order). Returns the JSON-able result document.
+
+    Progress goes to stderr (log); each check and verdict to `say` (the CLI: stdout unless --json)."""
     results, t_start = [], time.time()
     todo = [reg.get(i) for i in ids]
     runnable = [s for s in todo if s.implemented_on(platform) or not only_implemented]
@@ -211,11 +223,11 @@ def verify(reg: Registry, ids: list[str], platform: str, mode: str, junit: Path 
             junit_cases = parse_junit(junit)
             log(f"using test results from {junit} ({len(junit_cases)} testcases)")
         else:
-            junit_cases = parse_junit(run_pytest(test_paths, workers))
+            junit_cases = run_pytest(test_paths, workers)
     for s in todo:
         t0 = time.time()
         if s not in runnable:
-            log(f"{s.id:6} {s.title}\n  [SKIP   ] status on {platform} is {s.status[platform]}")
+            say(f"{s.id:6} {s.title}\n  [SKIP   ] status on {platform} is {s.status[platform]}")
             results.append({"id": s.id, "verdict": SKIPPED, "status": s.status[platform], "checks": [],
                             "detail": f"status on {platform} is {s.status[platform]}"})
             continue
@@ -224,11 +236,11 @@ def verify(reg: Registry, ids: list[str], platform: str, mode: str, junit: Path 
             recs += test_checks(s, junit_cases)
         recs += golden_checks(s, platform, mode)
         v = slice_verdict(recs)
-        log(f"{s.id:6} {s.title}")
+        say(f"{s.id:6} {s.title}")
         for r in recs:
-            log(fmt(r))
+            say(fmt(r))
         n_pass = sum(r["verdict"] == "pass" for r in recs)
-        log(f"  => {v.upper()} ({n_pass}/{len(recs)} checks pass, {time.time() - t0:.1f}s)")
+        say(f"  => {v.upper()} ({n_pass}/{len(recs)} checks pass, {time.time() - t0:.1f}s)")
         results.append({"id": s.id, "verdict": v, "status": s.status[platform], "checks": recs,
                         "n_checks": len(recs), "n_pass": n_pass})
     verdicts = [r["verdict"] for r in results]
@@ -243,13 +255,30 @@ def verify(reg: Registry, ids: list[str], platform: str, mode: str, junit: Path 
             "provenance": G.provenance(platform)}
 
 
+def summary_lines(doc: dict) -> list[str]:
+    """Failures first: each regressed slice with its failing checks, then those that could not be judged, then
+    the verdict line with the counts."""
+    lines = []
+    for verdict, bad in ((REGRESSION, ("fail",)), (CANNOT_JUDGE, ("missing", "error"))):
+        for s in (s for s in doc["slices"] if s["verdict"] == verdict):
+            checks = [r for r in s["checks"] if r["verdict"] in bad]
+            lines.append(f"{verdict.upper()} {s['id']}: " + ("; ".join(
+                f"{r['check']}" + (f" ({r['detail']})" if r.get("detail") else "") for r in checks[:5])
+                + (f"; ... {len(checks) - 5} more" if len(checks) > 5 else "") if checks else "no checks"))
+    n = {v: sum(s["verdict"] == v for s in doc["slices"]) for v in (PASS, REGRESSION, CANNOT_JUDGE, SKIPPED)}
+    lines.append(f"verify {doc['platform']}: {doc['verdict'].upper()} ({n[PASS]} pass, {n[REGRESSION]} regression, "
+                 f"{n[CANNOT_JUDGE]} cannot judge, {n[SKIPPED]} not implemented) in {doc['elapsed_s']}s")
+    return lines
+
+
 def write_report(doc: dict, out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     G.atomic_write_json(out_dir / "verify.json", doc)
     lines = [f"# dsv4 verify — platform `{doc['platform']}` — **{doc['verdict']}**", "",
              f"git `{doc['provenance']['git_sha'][:12]}`, torch {doc['provenance']['torch']}, "
-             f"{doc['elapsed_s']} s, mode {doc['mode']}", "",
+             f"{doc['elapsed_s']} s, mode {doc['mode']}", "", "## Summary (failures first)", "",
+             *[f"- {line}" for line in summary_lines(doc)], "",
              "| slice | verdict | checks passing |", "|---|---|---|"]
     for s in doc["slices"]:
         lines.append(f"| {s['id']} | {s['verdict']} | {s.get('n_pass', 0)}/{s.get('n_checks', 0)} |")
@@ -269,7 +298,7 @@ def write_report(doc: dict, out_dir: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------- regen
-def regen(reg: Registry, sl: Slice, platform: str, cases_filter: list[str] | None = None) -> list[dict]:
+def regen(reg: Registry, sl: Slice, platform: str, cases_filter: list[str] | None = None, say=log) -> list[dict]:
     """Rerun the slice's golden cases and rewrite their goldens atomically, printing the diff."""
     device = PLATFORM_DEVICE[platform]
     if device == "cuda" and not torch.cuda.is_available():
@@ -303,16 +332,15 @@ def regen(reg: Registry, sl: Slice, platform: str, cases_filter: list[str] | Non
         computed.append((n, G.encode_outputs(out, MAX_ELEMS)))
     changes = []
     for n, enc in computed:
-        old = G.load_case(platform, sl.name, n)
-        lines = G.diff_outputs(old["outputs"] if old else None, enc)
+        lines = G.diff_case(platform, sl.name, n, sl.id, enc)
         doc = {"format": G.FORMAT, "slice": sl.id, "case": n, "platform": platform,
                "scope": cases[n].scope,
                "provenance": G.provenance(platform, seed=numerics.CASE_SEED, case_hash=case_hash(cases[n]),
                                           command=f"dsv4 goldens regen --slice {sl.id} --platform {platform}"),
                "outputs": enc}
         G.atomic_write_json(G.case_path(platform, sl.name, n), doc)
-        log(f"goldens/{platform}/{sl.name}/{n}.json")
+        say(f"goldens/{platform}/{sl.name}/{n}.json")
         for line in lines:
-            log(line)
+            say(line)
         changes.append({"case": n, "path": G._rel(G.case_path(platform, sl.name, n)), "diff": lines})
     return changes

@@ -30,7 +30,8 @@ def test_import_matches_megatron_format(tmp_path, monkeypatch):
     _write_events(tmp_path / "tb", losses, [1.0] * 12)
     from dsv4.harness.registry import Registry
     sl = Registry.load().get("D9")
-    path, doc = TB.import_run(tmp_path / "tb", "h100", sl, "run1", 1)
+    path, doc, diff = TB.import_run(tmp_path / "tb", "h100", sl, "run1", 1)
+    assert diff[0].startswith("  + new golden")
     assert path == tmp_path / "goldens" / "h100" / "D9" / "run1.golden_values.json"
     assert set(doc) == {"lm loss", "iteration-time", "num-zeros"}
     assert doc["lm loss"]["values"]["2"] == round(losses[1], 5)

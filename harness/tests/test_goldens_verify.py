@@ -145,12 +145,13 @@ def test_thresholds_like_megatron():
 
 
 def test_cli_bad_slice_exits_2_with_one_line():
-    r = subprocess.run([sys.executable, "-m", "dsv4.harness.cli", "verify", "--slice", "NOPE", "--json"],
+    r = subprocess.run([sys.executable, "-m", "dsv4.harness.cli", "verify", "--slice", "NOPE"],
                        capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stdout == ""
     err = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(err) == 1 and err[0].startswith("dsv4: error: slice 'NOPE': unknown")
+    # under --json the error is the one JSON document on stdout: test_cli_output.py
 
 
 def test_cli_slices_json_is_one_document():
@@ -183,3 +184,83 @@ def test_cli_verify_real_slice_p6_passes_then_fails_on_a_perturbed_golden(tmp_pa
     p.unlink()                                                   # a missing golden: cannot judge
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert r.returncode == 2
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda g: g["outputs"]["y"].update(kind="blob"), "outputs.y.kind: 'blob' is not one of"),
+    (lambda g: g.update(slice="Z2"), "slice: is 'Z2' but its path says 'Z1'"),
+    (lambda g: g.update(case="other"), "case: is 'other' but its path says 'lin'"),
+    (lambda g: g.update(platform="h200"), "platform: is 'h200' but its path says 'cpu'"),
+    (lambda g: g["outputs"]["y"]["values"].pop(), "outputs.y.values: holds 14 values, shape [3, 5] needs 15"),
+    (lambda g: g["outputs"]["y"].pop("shape"), "outputs.y.shape: missing"),
+    (lambda g: g["outputs"]["y"].update(dtype="float33"), "outputs.y.dtype: 'float33' is not a torch dtype"),
+    (lambda g: g["outputs"]["y"]["values"].__setitem__(2, "1.5"), "outputs.y.values[2]: '1.5' is not a float32"),
+    (lambda g: g["outputs"]["idx"]["values"].__setitem__(0, 1.5), "outputs.idx.values[0]: 1.5 is not a int64"),
+    (lambda g: g["outputs"]["s"].update(value="big"), "outputs.s.value: 'big' is not a number"),
+    (lambda g: g.pop("outputs"), "outputs: missing"),
+])
+def test_golden_that_cannot_be_judged_is_one_line_exit_2(tmp_path, gold_dir, edit, field):
+    from dsv4.harness import verify as V
+    reg, s = _fake_slice(tmp_path)
+    V.regen(reg, s, "cpu")
+    p = gold_dir / "cpu" / "Z1" / "lin.json"
+    g = json.loads(p.read_text())
+    edit(g)
+    p.write_text(json.dumps(g))
+    doc = V.verify(reg, ["Z1"], "cpu", "deterministic", run_tests=False)
+    assert doc["exit_code"] == 2, doc
+    (rec,) = doc["slices"][0]["checks"]
+    assert rec["verdict"] == "error" and rec["detail"].startswith(str(p)) and field in rec["detail"], rec["detail"]
+    assert "\n" not in rec["detail"]
+    # regen is how such a golden is fixed: it replaces it, saying so
+    assert V.regen(reg, s, "cpu")[0]["diff"][0].startswith("  ! replaces a golden that cannot be judged")
+    assert V.verify(reg, ["Z1"], "cpu", "deterministic", run_tests=False)["exit_code"] == 0
+
+
+def test_files_are_written_0644_not_0600(tmp_path):
+    old = os.umask(0o022)
+    try:
+        G.atomic_write_text(tmp_path / "a.md", "x")
+        assert (tmp_path / "a.md").stat().st_mode & 0o777 == 0o644
+        os.umask(0o077)
+        G.atomic_write_text(tmp_path / "b.md", "x")        # the umask is respected
+        assert (tmp_path / "b.md").stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)
+
+
+def test_verify_streams_progress_removes_its_temp_dir_and_summarises_failures_first(tmp_path, monkeypatch, capsys):
+    import tempfile
+    from dsv4.harness import verify as V
+    t = tmp_path / "test_tiny.py"
+    t.write_text("def test_a():\n    assert True\n\ndef test_b():\n    assert 1 == 2\n")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    cases = V.run_pytest([str(t)])
+    assert {c["name"]: c["verdict"] for c in cases} == {"test_a": "pass", "test_b": "fail"}
+    err = capsys.readouterr().err
+    assert "test_tiny.py::test_a PASSED" in err and "test_tiny.py::test_b FAILED" in err   # per-test progress
+    assert list(scratch.iterdir()) == []                                                  # temp dir removed
+    doc = {"platform": "cpu", "verdict": "regression", "elapsed_s": 1.0, "mode": "deterministic",
+           "provenance": {"git_sha": "0" * 40, "torch": "x"},
+           "slices": [{"id": "A1", "verdict": "pass", "checks": [{"check": "a", "kind": "test", "verdict": "pass"}]},
+                      {"id": "B2", "verdict": "cannot-judge", "checks": [
+                          {"check": "g", "kind": "golden", "verdict": "missing", "detail": "no golden"}]},
+                      {"id": "C3", "verdict": "regression", "checks": [
+                          {"check": "t::x", "kind": "test", "verdict": "fail", "detail": "assert 1 == 2"}]}]}
+    lines = V.summary_lines(doc)
+    assert lines[0] == "REGRESSION C3: t::x (assert 1 == 2)" and lines[1] == "CANNOT-JUDGE B2: g (no golden)"
+    assert lines[-1].startswith("verify cpu: REGRESSION (1 pass, 1 regression, 1 cannot judge")
+    md = V.write_report(doc, tmp_path / "rep").read_text()
+    assert md.index("REGRESSION C3") < md.index("| slice | verdict")
+
+
+def test_regen_diff_lines_are_results_not_progress(tmp_path, gold_dir, capsys):
+    from dsv4.harness import verify as V
+    reg, s = _fake_slice(tmp_path)
+    said = []
+    V.regen(reg, s, "cpu", say=said.append)          # the CLI passes click.echo to stdout (stderr under --json)
+    assert said[0] == "goldens/cpu/Z1/lin.json" and said[1].startswith("  + new golden")
+    err = capsys.readouterr().err
+    assert "running case Z1/lin" in err and "new golden" not in err

@@ -115,3 +115,44 @@ def test_refuses_bad_status_and_bad_toml(tmp_path):
 def test_find_cycle_small():
     assert find_cycle({"a": ["b"], "b": []}) is None
     assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) in (["a", "b", "c", "a"],)
+
+
+def _drop_waiver(root, folder):
+    p = root / folder / "manifest.toml"
+    txt = p.read_text()
+    p.write_text(txt[:txt.index("[[waiver]]")])
+
+
+def test_verified_over_a_planned_dependency_needs_a_waiver(tmp_path):
+    root = _copy(tmp_path)
+    _drop_waiver(root, "D8")
+    with pytest.raises(RegistryError, match=r"D8/manifest.toml: status.cpu is 'verified' but its dependency P11 "
+                                            r"is 'planned' on cpu \(add a \[\[waiver\]\] with a reason\)$"):
+        Registry.load(root)
+    reg = Registry.load(_copy(tmp_path / "b"))             # the real manifests: every violation is waived
+    assert [w["dependency"] for w in reg.slices["D8"].waiver] == ["P11"]
+    assert "CUDA graph" in reg.slices["D9"].waived("P11")
+
+
+@pytest.mark.parametrize("waiver,why", [
+    ('[[waiver]]\ndependency = "P7"\nreason = "x"\n', "waives 'P7', which is not in depends_on"),
+    ('[[waiver]]\ndependency = "P11"\n', "must be a table with exactly a 'dependency' and a 'reason'"),
+    ('[[waiver]]\ndependency = "P11"\nreason = " "\n', "must be a table with exactly a 'dependency' and a 'reason'"),
+])
+def test_refuses_a_bad_waiver(tmp_path, waiver, why):
+    root = _copy(tmp_path)
+    _drop_waiver(root, "D8")
+    p = root / "D8" / "manifest.toml"
+    p.write_text(p.read_text() + waiver)
+    with pytest.raises(RegistryError, match=rf"D8/manifest.toml: waiver\[0\] {why}" if "waives" in why else why):
+        Registry.load(root)
+
+
+def test_slices_table_is_on_stdout_and_shows_waivers():
+    from click.testing import CliRunner
+    from dsv4.harness.cli import main
+    r = CliRunner().invoke(main, ["slices"])
+    assert r.exit_code == 0, r.output
+    d9 = [ln for ln in r.stdout.splitlines() if ln.lstrip().startswith("D9 ")]      # `dsv4 slices | grep D9`
+    assert len(d9) == 1 and "P11" in d9[0]                                          # the waived column
+    assert any(ln.startswith("waiver: D8 is checked without P11: ") for ln in r.stdout.splitlines())
