@@ -9,13 +9,18 @@ Three namings of the same tensors:
                 stacked `mlp.experts.gate_up_proj` / `down_proj`; HF has no MTP and drops `mtp.*`).
 
 A checkpoint directory holds `config.json` (HF `DeepseekV4Config` fields, plus our full config under
-"dsv4_config") and safetensors files. `from_hf` follows HF's clamped shared expert (shared_expert_clamp=True);
-`load_official` follows DeepSeek's code (unclamped) unless the directory's "dsv4_config" says otherwise.
+"dsv4_config") and safetensors files. HF clamps the shared expert at swiglu_limit (shared_expert_clamp=True);
+DeepSeek's code does not. `to_hf` refuses an unclamped model (HF would run a different function) unless
+`clamp_shared_expert=True`, and then records shared_expert_clamp=True, the function HF runs. `from_hf` loads HF's
+clamped function and refuses a "dsv4_config" saying shared_expert_clamp=false (an older export) unless the caller
+passes the flag; `load_official` is unclamped unless "dsv4_config" says so.
+YaRN's `attention_factor` (HF multiplies the compress table's cos/sin by it) maps to rope_scaling["attention_factor"].
 Wrong, missing or unexpected tensors are refused with one line naming the key and both shapes.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -157,6 +162,8 @@ def config_to_hf(cfg: DSv4Config) -> dict:
         rope = {"rope_type": rs.get("type", rs.get("rope_type", "yarn")), "factor": rs["factor"],
                 "original_max_position_embeddings": rs["original_max_position_embeddings"],
                 "beta_fast": rs["beta_fast"], "beta_slow": rs["beta_slow"]}
+        if "attention_factor" in rs:
+            rope["attention_factor"] = rs["attention_factor"]
     return {
         "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": L,
@@ -180,6 +187,19 @@ def config_to_hf(cfg: DSv4Config) -> dict:
         "bos_token_id": 0, "eos_token_id": 1,
         "dsv4_config": cfg.to_dict(),
     }
+
+
+def _hf_yarn_attention_factor(rp: dict, nested: bool) -> float:
+    """The factor HF 5.23 puts on the compress table's cos/sin: DeepseekV4Config sets 1.0 on a flat YaRN dict
+    without the key; an explicit None, or a nested dict without it, is derived from mscale as in
+    `_compute_yarn_parameters` (0.1 * mscale * ln(factor) + 1, a ratio when mscale and mscale_all_dim are set)."""
+    af = rp.get("attention_factor", None if nested else 1.0)
+    if af is not None:
+        return float(af)
+    def get(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    f, m, m_all = rp["factor"], rp.get("mscale"), rp.get("mscale_all_dim")
+    return float(get(f, m) / get(f, m_all)) if m and m_all else float(get(f))
 
 
 def config_from_hf(d: dict, **overrides) -> DSv4Config:
@@ -220,8 +240,13 @@ def config_from_hf(d: dict, **overrides) -> DSv4Config:
             raise ConfigError("config.json: mlp_layer_types has 'hash_moe' after a 'moe' layer (prefix only)")
     rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
     rope_theta, comp_theta = d.get("rope_theta", 10000.0), d.get("compress_rope_theta", 160000.0)
-    if isinstance(rp.get("compress"), dict):
-        rope_theta = rp.get("main", {}).get("rope_theta", rope_theta)
+    nested = isinstance(rp.get("compress"), dict)
+    if nested:
+        main = rp.get("main") or {}
+        if main.get("rope_type", main.get("type", "default")) != "default":
+            raise ConfigError("config.json: rope_parameters.main.rope_type must be 'default' (DSv4 scales only the "
+                              f"compress table), got {main.get('rope_type', main.get('type'))!r}")
+        rope_theta = main.get("rope_theta", rope_theta)
         rp = rp["compress"]
         comp_theta = rp.get("rope_theta", comp_theta)
     rtype = rp.get("rope_type", rp.get("type", "default"))
@@ -230,6 +255,9 @@ def config_from_hf(d: dict, **overrides) -> DSv4Config:
         scaling = {"type": "yarn", "factor": rp["factor"],
                    "original_max_position_embeddings": rp["original_max_position_embeddings"],
                    "beta_fast": rp.get("beta_fast", 32.0), "beta_slow": rp.get("beta_slow", 1.0)}
+        af = _hf_yarn_attention_factor(rp, nested)
+        if af != 1.0:
+            scaling["attention_factor"] = af
     elif rtype != "default":
         raise ConfigError(f"config.json: rope type {rtype!r} not supported (default | yarn)")
     hf = dict(
@@ -340,6 +368,9 @@ def from_hf(directory: str, **overrides):
     `mtp.*` tensors (official names) are loaded when present; otherwise the MTP block keeps its fresh init.
     """
     d, hf_sd = _read_dir(directory)
+    if (d.get("dsv4_config") or {}).get("shared_expert_clamp") is False and "shared_expert_clamp" not in overrides:
+        raise CheckpointError(f"{directory}: dsv4_config.shared_expert_clamp=false but HF runs this checkpoint with "
+                              "the shared expert clamped (older to_hf export); pass shared_expert_clamp explicitly")
     overrides.setdefault("shared_expert_clamp", True)
     cfg = config_from_hf(d, **overrides)
     model = _build(cfg)
@@ -350,15 +381,26 @@ def from_hf(directory: str, **overrides):
     return model
 
 
-def to_hf(model, directory: str) -> None:
-    """DSv4Model -> HF DeepseekV4 directory (config.json + model.safetensors); `mtp.*` in official names."""
+def to_hf(model, directory: str, clamp_shared_expert: bool = False) -> None:
+    """DSv4Model -> HF DeepseekV4 directory (config.json + model.safetensors); `mtp.*` in official names.
+
+    HF clamps the shared expert; a model with shared_expert_clamp=False (DeepSeek's code) is refused unless
+    `clamp_shared_expert=True`, which exports it as the clamped model HF runs (recorded in "dsv4_config")."""
+    cfg = model.cfg
+    if not cfg.shared_expert_clamp:
+        if not clamp_shared_expert:
+            raise CheckpointError("to_hf: model has shared_expert_clamp=False but HF DeepseekV4 clamps the shared "
+                                  f"expert at swiglu_limit={cfg.swiglu_limit}, a different function; save_official "
+                                  "keeps it, or pass clamp_shared_expert=True (--hf-clamp-shared-expert) to export "
+                                  "the clamped model")
+        cfg = cfg.replace(shared_expert_clamp=True)
     sd = model.state_dict()
     out = {}
     for k, v in sd.items():
         if not k.startswith("mtp."):
             out[ours_to_hf_name(k)] = v
     out.update(ours_to_official({k: v for k, v in sd.items() if k.startswith("mtp.")}))
-    _write_dir(directory, config_to_hf(model.cfg), out)
+    _write_dir(directory, config_to_hf(cfg), out)
 
 
 def load_official(directory: str, **overrides):
@@ -374,8 +416,9 @@ def save_official(model, directory: str) -> None:
     _write_dir(directory, config_to_hf(model.cfg), ours_to_official(model.state_dict()))
 
 
-def convert(src: str, dst: str, src_format: str, dst_format: str) -> dict:
-    """Convert a checkpoint directory between "hf" and "official"; returns a small summary dict."""
+def convert(src: str, dst: str, src_format: str, dst_format: str, clamp_shared_expert: bool = False) -> dict:
+    """Convert a checkpoint directory between "hf" and "official"; returns a small summary dict.
+    `clamp_shared_expert`: see `to_hf` (an unclamped model goes to HF only as HF's clamped model)."""
     loaders = {"hf": from_hf, "official": load_official}
     savers = {"hf": to_hf, "official": save_official}
     if src_format not in loaders:
@@ -383,7 +426,10 @@ def convert(src: str, dst: str, src_format: str, dst_format: str) -> dict:
     if dst_format not in savers:
         raise CheckpointError(f"--to: unknown format {dst_format!r} (hf | official)")
     model = loaders[src_format](src)
-    savers[dst_format](model, dst)
+    if dst_format == "hf":
+        to_hf(model, dst, clamp_shared_expert=clamp_shared_expert)
+    else:
+        savers[dst_format](model, dst)
     n = sum(v.numel() for v in model.state_dict().values())
     return {"src": src, "dst": dst, "from": src_format, "to": dst_format, "tensors": len(model.state_dict()),
             "elements": n, "layers": model.cfg.num_hidden_layers, "mtp": model.cfg.num_nextn_predict_layers}
