@@ -55,7 +55,10 @@ PROVENANCE = {
                    "debug sizes): keys, shapes and dtypes equal the derived ones (mapping_proj.weight [24, 256], "
                    "bias [24], alpha_pre/post/res [1]; router at layer_number 2 with moe_n_hash_layers 2: weight "
                    "[8, 64] + tid2eid int32 [256, 2], no expert_bias; layer_number 3, 4 and MTP: weight + "
-                   "expert_bias fp32 [8]).",
+                   "expert_bias fp32 [8]). DSv4HybridSelfAttention from dev's get_dsv4_hybrid_module_spec_for_backend, "
+                   "with one-`weight` stand-ins for the Transformer Engine leaf linears / norms, gives exactly the "
+                   "derived self_attention keys and shapes at ratios 0 and 4, and at 128 the same names (ape "
+                   "[128, 32] there, [16, 32] for debug's ratio 16).",
     "notes": [
         "Each of our layers is two HybridModel sub-layers: attention at j = 2i, FFN at j = 2i + 1.",
         "Dev's 'C' / 'H' symbols fix the ratio at 4 / 128, and TransformerConfig asserts csa_compress_ratios in "
