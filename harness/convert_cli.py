@@ -16,13 +16,15 @@ from dsv4.harness.errors import report_bad_input
 @click.argument("dst", type=click.Path())
 @click.option("--from", "src_format", default="hf", show_default=True, help="hf | official")
 @click.option("--to", "dst_format", default="official", show_default=True, help="hf | official")
+@click.option("--hf-clamp-shared-expert", "clamp_shared", is_flag=True,
+              help="--to hf of an unclamped model (DeepSeek's code): export HF's clamped shared expert instead of refusing")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary")
-def convert_cmd(src, dst, src_format, dst_format, as_json):
+def convert_cmd(src, dst, src_format, dst_format, clamp_shared, as_json):
     """Convert a DSv4 checkpoint directory (config.json + safetensors) between HF and official naming."""
     from dsv4.model.config import ConfigError
     from dsv4.model.convert import CheckpointError, convert
     try:
-        summary = convert(src, dst, src_format, dst_format)
+        summary = convert(src, dst, src_format, dst_format, clamp_shared)
     except (CheckpointError, ConfigError, FileNotFoundError, OSError, json.JSONDecodeError) as e:
         report_bad_input(e)
     if as_json:

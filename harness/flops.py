@@ -19,7 +19,9 @@ Conventions (sources):
     recomputes QK^T) where Megatron's is 2x -- reported as `attention_backward_cudnn` for reference.
   * Not counted (as Megatron): RMSNorms, softmaxes, the compressor's softmax pooling, the mHC Sinkhorn
     iterations and elementwise collapse/expand, hash routing. The mHC `fn` projections ARE matmuls and are
-    counted as parameter FLOPs (Megatron omits them; they are 0.1% of Flash).
+    counted as parameter FLOPs (Megatron omits them; they are 0.1% of Flash). The MTP block's h_proj is applied
+    to each of the n_hc residual streams (ours and dev's mHC MTP), so its FLOPs are n_hc x 2 d^2 per token
+    (found by slices/D9/test_flops.py's FlopCounterMode count; the parameter count is d^2 once).
   * Active parameters: all parameters except the E - K routed experts a token does not use; the frozen hash
     table `tid2eid` is a buffer, not a parameter. `active_params` includes the input embedding and the head and
     excludes MTP (as the published 13B / 49B); MTP is reported on its own.
@@ -157,7 +159,8 @@ def flops_per_token(cfg: DSv4Config, seq: int, routing_stats: dict | None = None
     pc = count_params(cfg)
     mtp_core = sum(2 * v for j in range(cfg.num_nextn_predict_layers)
                    for v in _attn_core_macs(cfg, L + j, seq).values())
-    fwd["mtp"] = 2 * pc["mtp_active_matmul_params"] + mtp_core
+    h_proj_streams = 2 * (n - 1) * d * d * cfg.num_nextn_predict_layers    # MTP h_proj runs on each of n streams
+    fwd["mtp"] = 2 * pc["mtp_active_matmul_params"] + h_proj_streams + mtp_core
     bwd = {k: 2 * v for k, v in fwd.items()}
     tot = {k: fwd[k] + bwd[k] for k in COMPONENTS}
     core = ("window_attention", "csa_selected_keys", "hca_compressed_keys")

@@ -9,13 +9,18 @@ Three namings of the same tensors:
                 stacked `mlp.experts.gate_up_proj` / `down_proj`; HF has no MTP and drops `mtp.*`).
 
 A checkpoint directory holds `config.json` (HF `DeepseekV4Config` fields, plus our full config under
-"dsv4_config") and safetensors files. `from_hf` follows HF's clamped shared expert (shared_expert_clamp=True);
-`load_official` follows DeepSeek's code (unclamped) unless the directory's "dsv4_config" says otherwise.
+"dsv4_config") and safetensors files. HF clamps the shared expert at swiglu_limit (shared_expert_clamp=True);
+DeepSeek's code does not. `to_hf` refuses an unclamped model (HF would run a different function) unless
+`clamp_shared_expert=True`, and then records shared_expert_clamp=True, the function HF runs. `from_hf` loads HF's
+clamped function and refuses a "dsv4_config" saying shared_expert_clamp=false (an older export) unless the caller
+passes the flag; `load_official` is unclamped unless "dsv4_config" says so.
+YaRN's `attention_factor` (HF multiplies the compress table's cos/sin by it) maps to rope_scaling["attention_factor"].
 Wrong, missing or unexpected tensors are refused with one line naming the key and both shapes.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -157,6 +162,8 @@ def config_to_hf(cfg: DSv4Config) -> dict:
         rope = {"rope_type": rs.get("type", rs.get("rope_type", "yarn")), "factor": rs["factor"],
                 "original_max_position_embeddings": rs["original_max_position_embeddings"],
                 "beta_fast": rs["beta_fast"], "beta_slow": rs["beta_slow"]}
+        if "attention_factor" in rs:
+            rope["attention_factor"] = rs["attention_factor"]
     return {
         "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": L,
@@ -180,6 +187,19 @@ def config_to_hf(cfg: DSv4Config) -> dict:
         "bos_token_id": 0, "eos_token_id": 1,
         "dsv4_config": cfg.to_dict(),
     }
+
+
+def _hf_yarn_attention_factor(rp: dict, nested: bool) -> float:
+    """The factor HF 5.23 puts on the compress table's cos/sin: DeepseekV4Config sets 1.0 on a flat YaRN dict
+    without the key; an explicit None, or a nested dict without it, is derived from mscale as in
+    `_compute_yarn_parameters` (0.1 * mscale * ln(factor) + 1, a ratio when mscale and mscale_all_dim are set)."""
+    af = rp.get("attention_factor", None if nested else 1.0)
+    if af is not None:
+        return float(af)
+    def get(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    f, m, m_all = rp["factor"], rp.get("mscale"), rp.get("mscale_all_dim")
+    return float(get(f, m) / get(f, m_all)) if m and m_all else float(get(f))
 
 
 def config_from_hf(d: dict, **overrides) -> DSv4Config:
@@ -220,8 +240,13 @@ def config_from_hf(d: dict, **overrides) -> DSv4Config:
             raise ConfigError("config.json: mlp_layer_types has 'hash_moe' after a 'moe' layer (prefix only)")
     rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
     rope_theta, comp_theta = d.get("rope_theta", 10000.0), d.get("compress_rope_theta", 160000.0)
-    if isinstance(rp.get("compress"), dict):
-        rope_theta = rp.get("main", {}).get("rope_theta", rope_theta)
+    nested = isinstance(rp.get("compress"), dict)
+    if nested:
+        main = rp.get("main") or {}
+        if main.get("rope_type", main.get("type", "default")) != "default":
+            raise ConfigError("config.json: rope_parameters.main.rope_type must be 'default' (DSv4 scales only the "
+                              f"compress table), got {main.get('rope_type', main.get('type'))!r}")
+        rope_theta = main.get("rope_theta", rope_theta)
         rp = rp["compress"]
         comp_theta = rp.get("rope_theta", comp_theta)
     rtype = rp.get("rope_type", rp.get("type", "default"))
@@ -230,6 +255,9 @@ def config_from_hf(d: dict, **overrides) -> DSv4Config:
         scaling = {"type": "yarn", "factor": rp["factor"],
                    "original_max_position_embeddings": rp["original_max_position_embeddings"],
                    "beta_fast": rp.get("beta_fast", 32.0), "beta_slow": rp.get("beta_slow", 1.0)}
+        af = _hf_yarn_attention_factor(rp, nested)
+        if af != 1.0:
+            scaling["attention_factor"] = af
     elif rtype != "default":
         raise ConfigError(f"config.json: rope type {rtype!r} not supported (default | yarn)")
     hf = dict(
@@ -340,6 +368,9 @@ def from_hf(directory: str, **overrides):
     `mtp.*` tensors (official names) are loaded when present; otherwise the MTP block keeps its fresh init.
     """
     d, hf_sd = _read_dir(directory)
+    if (d.get("dsv4_config") or {}).get("shared_expert_clamp") is False and "shared_expert_clamp" not in overrides:
+        raise CheckpointError(f"{directory}: dsv4_config.shared_expert_clamp=false but HF runs this checkpoint with "
+                              "the shared expert clamped (older to_hf export); pass shared_expert_clamp explicitly")
     overrides.setdefault("shared_expert_clamp", True)
     cfg = config_from_hf(d, **overrides)
     model = _build(cfg)
@@ -350,15 +381,26 @@ def from_hf(directory: str, **overrides):
     return model
 
 
-def to_hf(model, directory: str) -> None:
-    """DSv4Model -> HF DeepseekV4 directory (config.json + model.safetensors); `mtp.*` in official names."""
+def to_hf(model, directory: str, clamp_shared_expert: bool = False) -> None:
+    """DSv4Model -> HF DeepseekV4 directory (config.json + model.safetensors); `mtp.*` in official names.
+
+    HF clamps the shared expert; a model with shared_expert_clamp=False (DeepSeek's code) is refused unless
+    `clamp_shared_expert=True`, which exports it as the clamped model HF runs (recorded in "dsv4_config")."""
+    cfg = model.cfg
+    if not cfg.shared_expert_clamp:
+        if not clamp_shared_expert:
+            raise CheckpointError("to_hf: model has shared_expert_clamp=False but HF DeepseekV4 clamps the shared "
+                                  f"expert at swiglu_limit={cfg.swiglu_limit}, a different function; save_official "
+                                  "keeps it, or pass clamp_shared_expert=True (--hf-clamp-shared-expert) to export "
+                                  "the clamped model")
+        cfg = cfg.replace(shared_expert_clamp=True)
     sd = model.state_dict()
     out = {}
     for k, v in sd.items():
         if not k.startswith("mtp."):
             out[ours_to_hf_name(k)] = v
     out.update(ours_to_official({k: v for k, v in sd.items() if k.startswith("mtp.")}))
-    _write_dir(directory, config_to_hf(model.cfg), out)
+    _write_dir(directory, config_to_hf(cfg), out)
 
 
 def load_official(directory: str, **overrides):
@@ -374,8 +416,9 @@ def save_official(model, directory: str) -> None:
     _write_dir(directory, config_to_hf(model.cfg), ours_to_official(model.state_dict()))
 
 
-def convert(src: str, dst: str, src_format: str, dst_format: str) -> dict:
-    """Convert a checkpoint directory between "hf" and "official"; returns a small summary dict."""
+def convert(src: str, dst: str, src_format: str, dst_format: str, clamp_shared_expert: bool = False) -> dict:
+    """Convert a checkpoint directory between "hf" and "official"; returns a small summary dict.
+    `clamp_shared_expert`: see `to_hf` (an unclamped model goes to HF only as HF's clamped model)."""
     loaders = {"hf": from_hf, "official": load_official}
     savers = {"hf": to_hf, "official": save_official}
     if src_format not in loaders:
@@ -383,21 +426,37 @@ def convert(src: str, dst: str, src_format: str, dst_format: str) -> dict:
     if dst_format not in savers:
         raise CheckpointError(f"--to: unknown format {dst_format!r} (hf | official)")
     model = loaders[src_format](src)
-    savers[dst_format](model, dst)
+    if dst_format == "hf":
+        to_hf(model, dst, clamp_shared_expert=clamp_shared_expert)
+    else:
+        savers[dst_format](model, dst)
     n = sum(v.numel() for v in model.state_dict().values())
     return {"src": src, "dst": dst, "from": src_format, "to": dst_format, "tensors": len(model.state_dict()),
             "elements": n, "layers": model.cfg.num_hidden_layers, "mtp": model.cfg.num_nextn_predict_layers}
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Megatron-Core / Megatron-Bridge names (megatron_dsv4.md §5.2; GPTModel-style `decoder.layers.{i}.*`)
+# Megatron-Core names: Megatron-LM dev's HybridModel (DSv4's path), with the GPTModel / Megatron-Bridge names
+# (megatron_dsv4.md §5.2) as the alias layout="gpt". slices/D4/megatron_dev_keys.json holds dev's real keys.
+#   hybrid: each of our layers i is two sub-layers, `decoder.layers.{2i}` (attention) and `{2i+1}` (FFN), each
+#           `hyper_connection.*` + `inner_layer.*`; MTP depth k is `mtp.layers.{k}.mtp_model_layer.layers.{0,1}.*`
+#           plus its own `mtp.layers.{k}.{enorm,hnorm,e_proj,h_proj,final_layernorm,hc_head_*}`;
+#           final norm `decoder.final_norm`.
+#   gpt:    `decoder.layers.{i}.{self_attention,mlp}_hyper_connection.*` and the inner names directly under the
+#           layer; MTP `mtp.layers.{k}.mtp_model_layer.*`; final norm `decoder.final_layernorm`.
+# mHC: fn -> mapping_proj.weight, base -> bias (not mapping_proj.bias: mapping_proj has no bias), scale [3] ->
+# alpha_pre / alpha_post / alpha_res [1]. fc1 = cat(w1, w3) rows; routed experts as TEGroupedMLP
+# `linear_fc1.weight{e}`; a dense `-` FFN fuses its norm into fc1 (`mlp.linear_fc1.layer_norm_weight`);
+# `tid2eid` int32 (dev's buffer dtype; int64 on our side).
 # ---------------------------------------------------------------------------------------------------------
 
+_MEG_LAYOUTS = ("hybrid", "gpt")
 _MEG_TOP = [("embed.weight", "embedding.word_embeddings.weight"), ("head.weight", "output_layer.weight"),
-            ("norm.weight", "decoder.final_layernorm.weight"), ("hc_head_fn", "decoder.hc_head_fn"),
-            ("hc_head_base", "decoder.hc_head_base"), ("hc_head_scale", "decoder.hc_head_scale")]
-_MEG_BLOCK = [  # (ours after `layers.{i}.` / `mtp.{k}.`, Megatron after the layer prefix)
-    ("attn_norm.weight", "input_layernorm.weight"), ("ffn_norm.weight", "pre_mlp_layernorm.weight"),
+            ("hc_head_fn", "decoder.hc_head_fn"), ("hc_head_base", "decoder.hc_head_base"),
+            ("hc_head_scale", "decoder.hc_head_scale")]
+_MEG_FINAL_NORM = {"hybrid": "decoder.final_norm.weight", "gpt": "decoder.final_layernorm.weight"}
+_MEG_ATTN = [  # (ours after `layers.{i}.` / `mtp.{k}.`, Megatron inside the attention (sub-)layer)
+    ("attn_norm.weight", "input_layernorm.weight"),
     ("attn.wq_a.weight", "self_attention.linear_q_down_proj.weight"),
     ("attn.q_norm.weight", "self_attention.q_layernorm.weight"),
     ("attn.wq_b.weight", "self_attention.linear_q_up_proj.weight"),
@@ -417,28 +476,45 @@ _MEG_BLOCK = [  # (ours after `layers.{i}.` / `mtp.{k}.`, Megatron after the lay
      "self_attention.core_attention.indexer.compressor.linear_wgate.weight"),
     ("attn.indexer.compressor.norm.weight", "self_attention.core_attention.indexer.compressor.norm.weight"),
     ("attn.indexer.compressor.ape", "self_attention.core_attention.indexer.compressor.ape"),
+]
+_MEG_FFN = [  # (ours, Megatron inside the FFN (sub-)layer); fc1 / experts / dense norm handled in code
+    ("ffn_norm.weight", "pre_mlp_layernorm.weight"),
     ("ffn.gate.weight", "mlp.router.weight"), ("ffn.gate.bias", "mlp.router.expert_bias"),
     ("ffn.gate.tid2eid", "mlp.router.tid2eid"),
     ("ffn.shared_experts.w2.weight", "mlp.shared_experts.linear_fc2.weight"),
     ("ffn.w2.weight", "mlp.linear_fc2.weight"),
-    ("hc_attn_fn", "self_attention_hyper_connection.mapping_proj.weight"),
-    ("hc_attn_base", "self_attention_hyper_connection.mapping_proj.bias"),
-    ("hc_ffn_fn", "mlp_hyper_connection.mapping_proj.weight"),
-    ("hc_ffn_base", "mlp_hyper_connection.mapping_proj.bias"),
-    # MTP-only
-    ("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"), ("norm.weight", "final_layernorm.weight"),
-    ("e_proj.weight", "e_proj.weight"), ("h_proj.weight", "h_proj.weight"),
-    ("hc_head_fn", "hc_head_fn"), ("hc_head_base", "hc_head_base"), ("hc_head_scale", "hc_head_scale"),
 ]
-_MTP_OWN = {"enorm.weight", "hnorm.weight", "norm.weight", "e_proj.weight", "h_proj.weight", "hc_head_fn",
-            "hc_head_base", "hc_head_scale"}
+_MEG_DENSE_NORM = "mlp.linear_fc1.layer_norm_weight"
+_MEG_HC = {"fn": "mapping_proj.weight", "base": "bias"}
+_MTP_OWN = [("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"), ("norm.weight", "final_layernorm.weight"),
+            ("e_proj.weight", "e_proj.weight"), ("h_proj.weight", "h_proj.weight"), ("hc_head_fn", "hc_head_fn"),
+            ("hc_head_base", "hc_head_base"), ("hc_head_scale", "hc_head_scale")]
 _ALPHAS = ("alpha_pre", "alpha_post", "alpha_res")
 
 
-def ours_to_megatron(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our state dict -> Megatron names (§5.2): fc1 = cat(w1, w3) rows, routed experts as TEGroupedMLP
-    `linear_fc1.weight{e}` / `linear_fc2.weight{e}`, mHC scale [3] -> alpha_pre / alpha_post / alpha_res [1]."""
-    top, blk = dict(_MEG_TOP), dict(_MEG_BLOCK)
+def _meg_check_layout(layout):
+    if layout not in _MEG_LAYOUTS:
+        raise CheckpointError(f"megatron layout must be one of {', '.join(_MEG_LAYOUTS)}, got {layout!r}")
+
+
+def _meg_prefixes(kind: str, i: int, layout: str) -> dict[str, str]:
+    """Prefixes of our layer (kind 'layers') or MTP depth (kind 'mtp') i: attention / FFN inner names, their
+    two hyper-connections, and the MTP block's own tensors."""
+    if layout == "hybrid":
+        stack, j = ("decoder.", 2 * i) if kind == "layers" else (f"mtp.layers.{i}.mtp_model_layer.", 0)
+        a, f = f"{stack}layers.{j}.", f"{stack}layers.{j + 1}."
+        return {"attn": a + "inner_layer.", "ffn": f + "inner_layer.", "hc_attn": a + "hyper_connection.",
+                "hc_ffn": f + "hyper_connection.", "own": f"mtp.layers.{i}."}
+    p = f"decoder.layers.{i}." if kind == "layers" else f"mtp.layers.{i}.mtp_model_layer."
+    return {"attn": p, "ffn": p, "hc_attn": p + "self_attention_hyper_connection.",
+            "hc_ffn": p + "mlp_hyper_connection.", "own": f"mtp.layers.{i}."}
+
+
+def ours_to_megatron(sd: dict[str, torch.Tensor], layout: str = "hybrid") -> dict[str, torch.Tensor]:
+    """Our state dict -> Megatron-Core names (layout 'hybrid': dev's HybridModel; 'gpt': GPTModel / Bridge)."""
+    _meg_check_layout(layout)
+    top, attn, ffn, own = dict(_MEG_TOP), dict(_MEG_ATTN), dict(_MEG_FFN), dict(_MTP_OWN)
+    top["norm.weight"] = _MEG_FINAL_NORM[layout]
     out = {}
     for k, v in sd.items():
         if k in top:
@@ -447,61 +523,96 @@ def ours_to_megatron(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         m = re.match(r"^(layers|mtp)\.(\d+)\.(.+)$", k)
         if not m:
             raise CheckpointError(f"no Megatron name for tensor {k}")
-        kind, i, rest = m.groups()
-        if kind == "layers":
-            pre = f"decoder.layers.{i}."
-        else:
-            pre = f"mtp.layers.{i}." + ("" if rest in _MTP_OWN else "mtp_model_layer.")
-        if rest in ("hc_attn_scale", "hc_ffn_scale"):
-            hc = "self_attention_hyper_connection" if rest == "hc_attn_scale" else "mlp_hyper_connection"
+        kind, i, rest = m.group(1), int(m.group(2)), m.group(3)
+        p = _meg_prefixes(kind, i, layout)
+        h = re.match(r"^hc_(attn|ffn)_(fn|base|scale)$", rest)
+        dense = (k[: -len(rest)] + "ffn.w1.weight") in sd
+        if kind == "mtp" and rest in own:
+            out[p["own"] + own[rest]] = v
+        elif h and h.group(2) == "scale":
             for j, a in enumerate(_ALPHAS):
-                out[f"{pre}{hc}.{a}"] = v[j:j + 1].clone()
-        elif rest.endswith("ffn.experts.w13"):
+                out[p["hc_" + h.group(1)] + a] = v[j:j + 1].clone()
+        elif h:
+            out[p["hc_" + h.group(1)] + _MEG_HC[h.group(2)]] = v
+        elif rest in attn:
+            out[p["attn"] + attn[rest]] = v
+        elif rest == "ffn_norm.weight" and dense:
+            out[p["ffn"] + _MEG_DENSE_NORM] = v
+        elif rest == "ffn.gate.tid2eid":
+            out[p["ffn"] + ffn[rest]] = v.to(torch.int32)
+        elif rest in ffn:
+            out[p["ffn"] + ffn[rest]] = v
+        elif rest in ("ffn.experts.w13", "ffn.experts.w2"):
+            fc = "1" if rest.endswith("w13") else "2"
             for e in range(v.shape[0]):
-                out[f"{pre}mlp.experts.linear_fc1.weight{e}"] = v[e].clone()
-        elif rest.endswith("ffn.experts.w2"):
-            for e in range(v.shape[0]):
-                out[f"{pre}mlp.experts.linear_fc2.weight{e}"] = v[e].clone()
+                out[f"{p['ffn']}mlp.experts.linear_fc{fc}.weight{e}"] = v[e].clone()
         elif rest in ("ffn.shared_experts.w1.weight", "ffn.w1.weight"):
             w3 = sd[k[: -len("w1.weight")] + "w3.weight"]
             name = "mlp.shared_experts.linear_fc1.weight" if "shared" in rest else "mlp.linear_fc1.weight"
-            out[pre + name] = torch.cat([v, w3], 0)
-        elif rest in ("ffn.shared_experts.w3.weight", "ffn.w3.weight"):
-            continue
-        elif rest in blk:
-            out[pre + blk[rest]] = v
-        else:
+            out[p["ffn"] + name] = torch.cat([v, w3], 0)
+        elif rest not in ("ffn.shared_experts.w3.weight", "ffn.w3.weight"):
             raise CheckpointError(f"no Megatron name for tensor {k}")
     return out
 
 
-def megatron_to_ours(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of `ours_to_megatron`."""
+def megatron_to_ours(sd: dict[str, torch.Tensor], layout: str = "hybrid") -> dict[str, torch.Tensor]:
+    """Inverse of `ours_to_megatron` (same layout)."""
+    _meg_check_layout(layout)
     top = {m: o for o, m in _MEG_TOP}
-    blk = {m: o for o, m in _MEG_BLOCK}
+    top[_MEG_FINAL_NORM[layout]] = "norm.weight"
+    inner = {m: o for o, m in _MEG_ATTN + _MEG_FFN}
+    inner[_MEG_DENSE_NORM] = "ffn_norm.weight"
+    own = {m: o for o, m in _MTP_OWN}
+    hc_names = {m: o for o, m in _MEG_HC.items()}
+    if layout == "hybrid":
+        layer_re = [(r"^decoder\.layers\.(\d+)\.(hyper_connection|inner_layer)\.(.+)$", "layers"),
+                    (r"^mtp\.layers\.(\d+)\.mtp_model_layer\.layers\.([01])\.(hyper_connection|inner_layer)\.(.+)$",
+                     "mtp")]
+    else:
+        layer_re = [(r"^decoder\.layers\.(\d+)\.(.+)$", "layers"), (r"^mtp\.layers\.(\d+)\.mtp_model_layer\.(.+)$", "mtp")]
     out, experts, alphas = {}, {}, {}
     for k, v in sd.items():
         if k in top:
             out[top[k]] = v
             continue
-        m = re.match(r"^(decoder\.layers|mtp\.layers)\.(\d+)\.(mtp_model_layer\.)?(.+)$", k)
-        if not m:
+        mo = re.match(r"^mtp\.layers\.(\d+)\.(.+)$", k)
+        if mo and mo.group(2) in own:
+            out[f"mtp.{mo.group(1)}.{own[mo.group(2)]}"] = v
+            continue
+        for rx, kind in layer_re:
+            m = re.match(rx, k)
+            if m:
+                break
+        else:
             raise CheckpointError(f"unexpected Megatron tensor {k}: no DSv4 counterpart")
-        kind, i, _, rest = m.groups()
-        pre = f"layers.{i}." if kind == "decoder.layers" else f"mtp.{i}."
-        a = re.match(r"^(self_attention|mlp)_hyper_connection\.(alpha_pre|alpha_post|alpha_res)$", rest)
+        g = m.groups()
+        if layout == "hybrid":
+            i, j = (int(g[0]) // 2, int(g[0]) % 2) if kind == "layers" else (int(g[0]), int(g[1]))
+            part, rest = g[-2], g[-1]
+            hc = "attn" if j == 0 else "ffn"
+            if part == "hyper_connection":
+                rest = ("self_attention" if j == 0 else "mlp") + "_hyper_connection." + rest
+        else:
+            i, rest = int(g[0]), g[1]
+        pre = f"layers.{i}." if kind == "layers" else f"mtp.{i}."
+        a = re.match(r"^(self_attention|mlp)_hyper_connection\.(.+)$", rest)
         e = re.match(r"^mlp\.experts\.linear_fc([12])\.weight(\d+)$", rest)
         if a:
-            name = pre + ("hc_attn_scale" if a.group(1) == "self_attention" else "hc_ffn_scale")
-            alphas.setdefault(name, {})[_ALPHAS.index(a.group(2))] = v
+            hc = "attn" if a.group(1) == "self_attention" else "ffn"
+            if a.group(2) in _ALPHAS:
+                alphas.setdefault(f"{pre}hc_{hc}_scale", {})[_ALPHAS.index(a.group(2))] = v
+            elif a.group(2) in hc_names:
+                out[f"{pre}hc_{hc}_{hc_names[a.group(2)]}"] = v
+            else:
+                raise CheckpointError(f"unexpected Megatron tensor {k}: no DSv4 counterpart")
         elif e:
             experts.setdefault((pre, e.group(1)), {})[int(e.group(2))] = v
         elif rest in ("mlp.shared_experts.linear_fc1.weight", "mlp.linear_fc1.weight"):
             base = "ffn.shared_experts." if "shared" in rest else "ffn."
             w1, w3 = v.chunk(2, 0)
             out[pre + base + "w1.weight"], out[pre + base + "w3.weight"] = w1.clone(), w3.clone()
-        elif rest in blk:
-            out[pre + blk[rest]] = v
+        elif rest in inner:
+            out[pre + inner[rest]] = v.to(torch.int64) if rest.endswith("tid2eid") else v
         else:
             raise CheckpointError(f"unexpected Megatron tensor {k}: no DSv4 counterpart")
     for name, parts in alphas.items():
@@ -509,5 +620,7 @@ def megatron_to_ours(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"missing tensor for {name}: needs alpha_pre, alpha_post and alpha_res")
         out[name] = torch.cat([parts[0], parts[1], parts[2]])
     for (pre, fc), per in experts.items():
+        if sorted(per) != list(range(len(per))):
+            raise CheckpointError(f"missing expert in {pre}mlp.experts.linear_fc{fc}.weight*: experts 0..{len(per) - 1} expected")
         out[pre + ("ffn.experts.w13" if fc == "1" else "ffn.experts.w2")] = torch.stack([per[j] for j in range(len(per))])
     return out

@@ -9,7 +9,9 @@
     "main"     θ_i = rope_theta^{-2i/r}, no scaling: window-only layers and the MTP layer;
     "compress" θ_i = compress_rope_theta^{-2i/r} with YaRN (spec §5.6): CSA / HCA layers, their compressors and
                the indexer. YaRN blends θ_i/factor and θ_i with a linear ramp over i in [low, high] (Flash: 15, 25);
-               NO magnitude (mscale) scaling of cos/sin and no change of the softmax scale.
+               No magnitude (mscale) scaling of cos/sin by default (DeepSeek's code) and no change of the softmax
+               scale. `rope_scaling["attention_factor"]` (default 1.0; HF's YaRN key) multiplies cos and sin of the
+               "compress" table, as HF does, so a converted HF config with attention_factor != 1 keeps its function.
 * The width of the cos/sin table must equal the rotated width r: a mismatch is refused with one line (the silent
   "8 of 64 dims rotated" bug of Megatron-Bridge #4271 came from a table built for r * partial_rotary_factor dims).
 * Positions are any integer tensor (packed sequences restart them per document).
@@ -60,6 +62,11 @@ def rope_inv_freq(rope_dim: int, theta: float, scaling: dict | None = None) -> t
     return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
 
 
+def rope_attention_factor(cfg: DSv4Config, table: str) -> float:
+    """The factor on cos/sin of a table: rope_scaling["attention_factor"] for 'compress' (default 1), else 1."""
+    return float((cfg.rope_scaling or {}).get("attention_factor", 1.0)) if table == "compress" else 1.0
+
+
 def rope_table_name(cfg: DSv4Config, layer_idx: int) -> str:
     """'main' for window-only layers (and a window-only MTP layer), 'compress' for CSA / HCA layers."""
     return "main" if cfg.layer_kind(layer_idx) == "window" else "compress"
@@ -105,17 +112,19 @@ def apply_rope_cos_sin(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ro
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
-               inverse: bool = False) -> torch.Tensor:
+               inverse: bool = False, scale: float = 1.0) -> torch.Tensor:
     """Rotate the last `rope_dim` dims of x by `positions` (inverse: by -positions).
 
     positions' shape is a prefix of x's shape (e.g. [S] for SBHD x [S,B,H,c] or compressed [T,B,c], or [S,B]);
-    the remaining dims are broadcast.
+    the remaining dims are broadcast. `scale` multiplies cos and sin (HF's YaRN attention_factor; 1 = none).
     """
     if tuple(positions.shape) != tuple(x.shape[: positions.dim()]) or positions.dim() >= x.dim():
         raise RopeError(f"rope: positions shape {tuple(positions.shape)} is not a prefix of x's leading dims "
                         f"{tuple(x.shape[:-1])}")
     dt = torch.promote_types(x.dtype, torch.float32)                        # fp32 (fp64 for fp64 x)
     cos, sin = rope_cos_sin(inv_freq, positions, dt)                        # [*pos, r/2]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale                                 # HF: freqs.cos() * attention_scaling
     expand = (1,) * (x.dim() - 1 - positions.dim())
     cos = cos.view(*positions.shape, *expand, cos.shape[-1])
     sin = sin.view(*positions.shape, *expand, sin.shape[-1])
@@ -130,9 +139,10 @@ class RotaryTable(nn.Module):
         super().__init__()
         self.table, self.rope_dim = table, cfg.qk_rope_head_dim
         self.inv_freq = inv_freq_for(cfg, table)
+        self.scale = rope_attention_factor(cfg, table)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        return apply_rope(x, positions, self.inv_freq, self.rope_dim, inverse)
+        return apply_rope(x, positions, self.inv_freq, self.rope_dim, inverse, self.scale)
 
     def extra_repr(self) -> str:
-        return f"table={self.table}, rope_dim={self.rope_dim}"
+        return f"table={self.table}, rope_dim={self.rope_dim}" + (f", scale={self.scale}" if self.scale != 1 else "")

@@ -1,5 +1,8 @@
 """D4: HybridModel pattern parsing (W C H E - | /), parameter counts (Flash ~284B/13B, Pro ~1.6T/49B) checked
 against meta-device modules, and a pattern-built model with dense `-` layers that runs."""
+import json
+import os
+
 import pytest
 import torch
 
@@ -103,25 +106,81 @@ def test_hub_style_config_json_gives_flash():
         assert config_from_hf(d, hash_seed=cfg.hash_seed) == cfg, name
 
 
-def test_megatron_names_round_trip():
-    """Our names <-> Megatron-Core / Bridge names (megatron_dsv4.md §5.2), incl. MTP and a dense `-` layer."""
+MEGATRON_KEYS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_dev_keys.json")
+
+
+def _meg_cases():
+    return {"debug": get_config("debug"), "debug_dense_WEC-/WE": parse_pattern("WEC-/WE", "debug").cfg}
+
+
+@pytest.mark.parametrize("name", list(_meg_cases()))
+def test_megatron_keys_are_devs(name):
+    """`ours_to_megatron` gives exactly the state_dict keys, shapes and dtypes of Megatron-LM dev's HybridModel
+    (megatron_dev_keys.json: provenance inside; derived from dev's constructors, not from our names)."""
+    from dsv4.model.convert import ours_to_megatron
+    with open(MEGATRON_KEYS) as fh:
+        doc = json.load(fh)
+    assert doc["provenance"]["commit"].startswith("d48bd6be0a")
+    want = {k: (tuple(s), dt) for k, (s, dt) in doc["configs"][name]["keys"].items()}
+    torch.manual_seed(0)
+    meg = ours_to_megatron(build_model(_meg_cases()[name]).state_dict())
+    got = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in meg.items()}
+    assert sorted(set(want) - set(got)) == [], "missing dev keys"
+    assert sorted(set(got) - set(want)) == [], "keys dev does not have"
+    assert {k: got[k] for k in want if got[k] != want[k]} == {}, "shape / dtype differs from dev"
+
+
+def test_megatron_keys_fixture_is_what_the_derivation_gives():
+    """The stored key list is the output of derive_megatron_dev_keys.py for today's configs (no drift)."""
+    from dsv4.model.hybrid import to_pattern
+    from dsv4.slices.D4.derive_megatron_dev_keys import derive, to_mcfg
+    with open(MEGATRON_KEYS) as fh:
+        doc = json.load(fh)
+    for name, cfg in _meg_cases().items():
+        mcfg = to_mcfg(cfg.to_dict(), to_pattern(cfg))
+        assert mcfg == doc["configs"][name]["megatron_config"] and derive(mcfg) == doc["configs"][name]["keys"], name
+
+
+@pytest.mark.parametrize("layout", ["hybrid", "gpt"])
+def test_megatron_values_and_round_trip(layout):
+    """Values land where dev reads them (fc1 = cat(w1, w3), mHC base -> bias, scale -> alphas, tid2eid int32) and
+    megatron_to_ours inverts ours_to_megatron bit-exactly, dtypes included; 'gpt' is the GPTModel / Bridge alias."""
     from dsv4.model.convert import megatron_to_ours, ours_to_megatron
     cfg = parse_pattern("WEC-/WE", "debug").cfg
     torch.manual_seed(0)
     sd = build_model(cfg).state_dict()
-    meg = ours_to_megatron(sd)
-    for k in ("embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight",
-              "decoder.hc_head_fn", "decoder.layers.0.self_attention_hyper_connection.alpha_res",
-              "decoder.layers.0.mlp.router.tid2eid", "decoder.layers.0.mlp.experts.linear_fc1.weight7",
-              "decoder.layers.1.self_attention.core_attention.indexer.compressor.ape",
-              "decoder.layers.1.mlp.linear_fc1.weight", "mtp.layers.0.enorm.weight", "mtp.layers.0.final_layernorm.weight",
-              "mtp.layers.0.mtp_model_layer.mlp.router.expert_bias", "mtp.layers.0.hc_head_scale",
-              "mtp.layers.0.mtp_model_layer.mlp.shared_experts.linear_fc1.weight"):
-        assert k in meg, k
+    meg = ours_to_megatron(sd, layout)
     f = cfg.moe_intermediate_size
-    assert torch.equal(meg["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"][:f],
-                       sd["layers.0.ffn.shared_experts.w1.weight"])
-    assert torch.equal(meg["decoder.layers.0.mlp_hyper_connection.alpha_post"], sd["layers.0.hc_ffn_scale"][1:2])
-    back = megatron_to_ours(meg)
+    if layout == "hybrid":
+        hc0, hc1, inner1, fin = ("decoder.layers.0.hyper_connection.", "decoder.layers.1.hyper_connection.",
+                                 "decoder.layers.1.inner_layer.", "decoder.final_norm.weight")
+        mtp_attn = "mtp.layers.0.mtp_model_layer.layers.0.inner_layer."
+    else:
+        hc0, hc1, inner1, fin = ("decoder.layers.0.self_attention_hyper_connection.",
+                                 "decoder.layers.0.mlp_hyper_connection.", "decoder.layers.0.", "decoder.final_layernorm.weight")
+        mtp_attn = "mtp.layers.0.mtp_model_layer."
+    assert torch.equal(meg[hc0 + "bias"], sd["layers.0.hc_attn_base"])
+    assert torch.equal(meg[hc0 + "mapping_proj.weight"], sd["layers.0.hc_attn_fn"])
+    assert torch.equal(meg[hc1 + "alpha_post"], sd["layers.0.hc_ffn_scale"][1:2])
+    assert torch.equal(meg[inner1 + "mlp.shared_experts.linear_fc1.weight"][:f], sd["layers.0.ffn.shared_experts.w1.weight"])
+    assert torch.equal(meg[inner1 + "mlp.shared_experts.linear_fc1.weight"][f:], sd["layers.0.ffn.shared_experts.w3.weight"])
+    assert torch.equal(meg[inner1 + "mlp.experts.linear_fc1.weight7"], sd["layers.0.ffn.experts.w13"][7])
+    t = meg[inner1 + "mlp.router.tid2eid"]
+    assert t.dtype == torch.int32 and torch.equal(t.long(), sd["layers.0.ffn.gate.tid2eid"])
+    assert torch.equal(meg[fin], sd["norm.weight"])
+    assert torch.equal(meg[mtp_attn + "self_attention.linear_q_down_proj.weight"], sd["mtp.0.attn.wq_a.weight"])
+    back = megatron_to_ours(meg, layout)
     assert back.keys() == sd.keys()
-    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    bad = [k for k in sd if back[k].dtype != sd[k].dtype or not torch.equal(back[k], sd[k])]
+    assert bad == []
+
+
+def test_megatron_bad_names_refused():
+    from dsv4.model.convert import CheckpointError, megatron_to_ours, ours_to_megatron
+    torch.manual_seed(0)
+    meg = ours_to_megatron(build_model(get_config("debug")).state_dict())
+    meg["decoder.layers.0.hyper_connection.mapping_proj.bias"] = meg.pop("decoder.layers.0.hyper_connection.bias")
+    with pytest.raises(CheckpointError, match=r"mapping_proj\.bias"):
+        megatron_to_ours(meg)
+    with pytest.raises(CheckpointError, match="layout"):
+        ours_to_megatron({}, "bridge")
