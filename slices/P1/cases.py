@@ -5,8 +5,13 @@ import torch
 from dsv4.harness.cases import golden_case
 
 
-@golden_case("bf16_selective_fp32_debug", tol={"loss": (2e-2, 2e-2), "exp_avg_sq_fp32": (1e-9, 5e-2),
-                                               "exp_avg_sq_bf16": (1e-9, 5e-2)})
+# Tolerances: the cross-host spread stored in goldens/cpu/_spread/P1.json (`dsv4 goldens spread --slice P1`,
+# worst over harness/numerics.py's simulated hosts and the host that made the golden) x the margin named.
+# loss: worst rel 2.6e-5 (ATEN avx2) -> rtol 3e-4 (11x); was (2e-2, 2e-2), 1000x loose on a value that is
+# bit-exact run to run. exp_avg_sq sums: worst rel 9.6e-4 (fp32 group, MKL_CBWR=COMPATIBLE) and 1.5e-3 (bf16
+# group, DNNL_MAX_CPU_ISA=AVX2: oneDNN's bf16 kernels) -> rtol 1e-2 (10x) and 2e-2 (13x); were 5e-2.
+@golden_case("bf16_selective_fp32_debug", tol={"loss": (0.0, 3e-4), "exp_avg_sq_fp32": (0.0, 1e-2),
+                                               "exp_avg_sq_bf16": (0.0, 2e-2)})
 def bf16_selective_fp32_debug():
     """debug DSv4Model cast to bf16: tensor/element counts per dtype (exact), the bf16 loss of S = 17 tokens,
     and sum(exp_avg_sq) of the FP32 and bf16 AdamW groups after one step."""

@@ -8,7 +8,12 @@ import torch
 
 from dsv4.harness.cases import golden_case
 
-LOSS = (1e-6, 1e-6)
+# Tolerances: the cross-host spread stored in goldens/cpu/_spread/P3.json (`dsv4 goldens spread --slice P3`,
+# worst over harness/numerics.py's simulated hosts and the host that made the golden) x the margin named.
+# losses: worst rel 5.6e-7 (indexer loss, ATEN avx2; lm/mtp identical everywhere) -> rtol 6e-6 (11x), no atol
+# (indexer loss ~2e-4: the old atol 1e-6 was 0.5% of it). grad norms: worst use 0.0088 of GRAD (110x, kept:
+# GRAD is already ~10 fp32 ulp relative). DIFF: worst 3.7e-9 (ATEN default) of 1e-6.
+LOSS = (0.0, 6e-6)
 GRAD = (1e-6, 1e-5)
 DIFF = (1e-6, 0.0)       # |diff_now - diff_golden| <= 1e-6: the pipeline stays equal to the whole model
 NORMS = ("embed.weight", "layers.0.hc_attn_fn", "head.weight", "hc_head_fn", "mtp.0.e_proj.weight")

@@ -4,10 +4,15 @@ import torch
 
 from dsv4.harness.cases import golden_case
 
+# Tolerances: the cross-host spread stored in goldens/cpu/_spread/P5.json (`dsv4 goldens spread --slice P5`,
+# worst over harness/numerics.py's simulated hosts and the host that made the golden) x the margin named.
+# y05/dgate/dup: worst use 0.11 of T (dgate, ATEN default) -> 9x. y10 (|y| up to ~40): worst abs 4.8e-6, rel
+# 2.7e-6 (ATEN default's vectorised exp in the sigmoid) used 0.26 of T -> Y10 rtol 3e-5 (11x).
 T = (1e-6, 1e-5)
+Y10 = (1e-6, 3e-5)
 
 
-@golden_case("clamped_swiglu_debug", tol={"y10": T, "y05": T, "dgate": T, "dup": T})
+@golden_case("clamped_swiglu_debug", tol={"y10": Y10, "y05": T, "dgate": T, "dup": T})
 def clamped_swiglu_debug():
     """clamped_swiglu on gate/up [3, 17] ~ 4 N(0,1) with L = 10 and L = 0.5, and gradients of sum(y05 * w)."""
     from dsv4.kernels.swiglu import clamped_swiglu
