@@ -82,3 +82,16 @@ def case_hash(case: GoldenCase) -> str:
         src = case.fn.__qualname__
     blob = json.dumps({"src": src, "platforms": list(case.platforms), "scope": case.scope}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def collect(module_loader: Callable[[], object]) -> list[GoldenCase]:
+    """Import a slice's cases module through `module_loader` and return the cases it registered."""
+    start = len(_REGISTRY)
+    module_loader()
+    cases = _REGISTRY[start:]
+    del _REGISTRY[start:]
+    names = [c.name for c in cases]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise CaseError(f"golden case {sorted(dup)[0]}: defined twice")
+    return cases

@@ -274,7 +274,8 @@ def diff_cmd(sid, platform, as_json):
 
 
 @goldens_grp.command("spread")
-@click.option("--slice", "sids", multiple=True, required=True, help="Slice(s) to measure (repeatable).")
+@click.option("--slice", "sids", multiple=True, help="Slice(s) to measure (repeatable; default: every slice "
+              "implemented or verified on cpu).")
 @click.option("--case", "cases", multiple=True, help="Only these cases (default: every portable cpu case).")
 @click.option("--json", "as_json", is_flag=True)
 def spread_cmd(sids, cases, as_json):
@@ -282,7 +283,8 @@ def spread_cmd(sids, cases, as_json):
     tolerances cover it; writes goldens/cpu/_spread/<slice>.json. Exit 1 if a portable golden does not hold."""
     from dsv4.harness import numerics
     reg = registry()
-    docs = [numerics.spread_slice(reg.get(sid), list(cases) or None) for sid in sids]
+    slices = [reg.get(sid) for sid in sids] or [reg.get(i) for i in reg.order() if reg.get(i).implemented_on("cpu")]
+    docs = numerics.spread_slices(slices, list(cases) or None)
     for d in docs:
         for r in d["checks"]:
             click.echo(numerics.fmt_spread(r), err=as_json)

@@ -103,17 +103,18 @@ def fingerprint(h: dict | None = None) -> str:
 
 
 # ------------------------------------------------------------------------------------------ spread
-def run_case_subprocess(slice_id: str, case: str, env: dict, timeout: float = 900) -> dict:
-    """Run one golden case in a fresh interpreter with `env` exported; returns its encoded outputs."""
+def run_cases_subprocess(pairs: list[tuple[str, str]], env: dict, timeout: float = 1800) -> dict:
+    """Run golden cases [(slice_id, case)] in one fresh interpreter with `env` exported (as `dsv4 verify` runs
+    them: one process, in order); returns {slice_id: {case: encoded outputs}} and the host it saw."""
     with tempfile.TemporaryDirectory(prefix="dsv4-spread-") as d:
         out = Path(d) / "out.json"
         e = {k: v for k, v in os.environ.items() if k not in HOST_ENV}
         e.update(env)
-        proc = subprocess.run([sys.executable, "-m", "dsv4.harness.numerics", slice_id, case, str(out)], env=e,
-                              capture_output=True, text=True, timeout=timeout)
+        cmd = [sys.executable, "-m", "dsv4.harness.numerics", "--out", str(out), *(f"{s}/{c}" for s, c in pairs)]
+        proc = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not out.exists():
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-            raise RuntimeError(f"case {slice_id}/{case} under {env}: exit {proc.returncode}: {' | '.join(tail)}")
+            raise RuntimeError(f"golden cases under {env}: exit {proc.returncode}: {' | '.join(tail)}")
         return json.loads(out.read_text())
 
 
@@ -184,40 +185,53 @@ def headroom(name: str, ref: dict, runs: list[tuple[dict, dict]], tol) -> float:
     return worst
 
 
-def spread_slice(sl, cases: list[str] | None = None, log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
-    """`dsv4 goldens spread`: every portable cpu case of `sl` under SIMULATED_HOSTS, judged against its stored
-    golden with its own tolerances; written to goldens/cpu/_spread/<slice>.json."""
+def spread_slices(slices, cases: list[str] | None = None,
+                  log=lambda s: print(s, file=sys.stderr, flush=True)) -> list[dict]:
+    """`dsv4 goldens spread`: every portable cpu case of `slices` (or the named `cases`) under each of
+    SIMULATED_HOSTS (one fresh process per host), judged against its stored golden with its own tolerances;
+    each slice's result is written to goldens/cpu/_spread/<slice>.json (only for a whole-slice run)."""
     from . import goldens as G
     from .cases import case_hash
     from .verify import load_cases
-    checks = []
-    for c in load_cases(sl):
-        if "cpu" not in c.platforms or c.name not in sl.golden_cases or (cases and c.name not in cases) or \
-                (not cases and c.scope != "portable"):
-            continue
-        g = G.load_case("cpu", sl.name, c.name)
-        if g is None:
-            checks.append({"case": c.name, "output": "*", "verdict": "missing", "detail": "no cpu golden"})
-            continue
-        runs = []
-        for env in SIMULATED_HOSTS:
-            log(f"  {sl.id}/{c.name} under {env or 'this host as it is'}")
-            runs.append((env, run_case_subprocess(sl.id, c.name, env)["outputs"]))
-        sp = output_spread(g["outputs"], runs)
-        for name, ref in g["outputs"].items():
-            exact = ref["kind"] == "int" or (ref["kind"] == "tensor" and not ref["dtype"].startswith(("float", "bfloat")))
-            tol = None if exact or ref["kind"] == "curve" else c.tol.get(name)
-            h = headroom(name, ref, runs, tol)
-            checks.append({"case": c.name, "case_hash": case_hash(c), "output": name, "kind": ref["kind"],
-                           "exact": tol is None,
-                           "tol": list(tol) if tol is not None else None, "max_abs": sp[name]["max_abs"],
-                           "max_rel": sp[name]["max_rel"], "worst_env": sp[name]["env"], "used": h,
-                           "verdict": "pass" if h <= 1.0 else "fail"})
-    doc = {"slice": sl.id, "hosts": list(SIMULATED_HOSTS), "checks": checks,
-           "provenance": G.provenance("cpu", command=f"dsv4 goldens spread --slice {sl.id}")}
-    if not cases:
-        G.atomic_write_json(G.GOLDENS / "cpu" / "_spread" / f"{sl.name}.json", doc)
-    return doc
+    todo, missing = [], {}
+    for sl in slices:
+        for c in load_cases(sl):
+            if "cpu" not in c.platforms or c.name not in sl.golden_cases or (cases and c.name not in cases) or \
+                    (not cases and c.scope != "portable"):
+                continue
+            g = G.load_case("cpu", sl.name, c.name, sl.id)
+            if g is None:
+                missing.setdefault(sl.id, []).append({"case": c.name, "output": "*", "verdict": "missing",
+                                                      "detail": "no cpu golden"})
+            else:
+                todo.append((sl, c, g))
+    runs = []
+    for i, env in enumerate(SIMULATED_HOSTS):
+        log(f"spread: host {i + 1}/{len(SIMULATED_HOSTS)} {env or '(this host as it is)'}: {len(todo)} cases")
+        runs.append((env, run_cases_subprocess([(sl.id, c.name) for sl, c, _ in todo], env)["outputs"]))
+    docs = []
+    for sl in slices:
+        checks = list(missing.get(sl.id, []))
+        for s2, c, g in todo:
+            if s2 is not sl:
+                continue
+            case_runs = [(env, outs[sl.id][c.name]) for env, outs in runs]
+            sp = output_spread(g["outputs"], case_runs)
+            for name, ref in g["outputs"].items():
+                exact = ref["kind"] == "int" or (ref["kind"] == "tensor" and
+                                                 not ref["dtype"].startswith(("float", "bfloat")))
+                tol = None if exact or ref["kind"] == "curve" else c.tol.get(name)
+                h = headroom(name, ref, case_runs, tol)
+                checks.append({"case": c.name, "case_hash": case_hash(c), "output": name, "kind": ref["kind"],
+                               "exact": tol is None, "tol": list(tol) if tol is not None else None,
+                               "max_abs": sp[name]["max_abs"], "max_rel": sp[name]["max_rel"],
+                               "worst_env": sp[name]["env"], "used": h, "verdict": "pass" if h <= 1.0 else "fail"})
+        doc = {"slice": sl.id, "hosts": list(SIMULATED_HOSTS), "checks": checks,
+               "provenance": G.provenance("cpu", command=f"dsv4 goldens spread --slice {sl.id}")}
+        if not cases:
+            G.atomic_write_json(G.GOLDENS / "cpu" / "_spread" / f"{sl.name}.json", doc)
+        docs.append(doc)
+    return docs
 
 
 def fmt_spread(r: dict) -> str:
@@ -229,18 +243,26 @@ def fmt_spread(r: dict) -> str:
 
 
 def _main(argv: list[str]) -> int:
-    """`python -m dsv4.harness.numerics SLICE CASE OUT`: one golden case under the contract -> encoded JSON."""
+    """`python -m dsv4.harness.numerics --out OUT SLICE/CASE ...`: golden cases under the contract, in one
+    process -> {"host", "settings", "outputs": {slice: {case: encoded}}}. (Legacy form: SLICE CASE OUT.)"""
     from dsv4.kernels._testing import use_interpreter
     use_interpreter()
     from . import goldens as G
     from .cases import MAX_ELEMS
     from .registry import Registry
     from .verify import load_cases, run_case
-    slice_id, case, out = argv
-    sl = Registry.load().get(slice_id)
-    c = {c.name: c for c in load_cases(sl)}[case]
-    enc = G.encode_outputs(run_case(c, "cpu"), MAX_ELEMS)
-    G.atomic_write_json(Path(out), {"host": host(), "settings": settings(), "outputs": enc})
+    reg = Registry.load()
+    legacy = argv[0] != "--out"
+    out, specs = (argv[2], [f"{argv[0]}/{argv[1]}"]) if legacy else (argv[1], argv[2:])
+    outputs: dict = {}
+    for spec in specs:
+        sid, case = spec.rsplit("/", 1)
+        sl = reg.get(sid)
+        c = {c.name: c for c in load_cases(sl)}[case]
+        outputs.setdefault(sid, {})[case] = G.encode_outputs(run_case(c, "cpu"), MAX_ELEMS)
+    if legacy:
+        outputs = outputs[specs[0].rsplit("/", 1)[0]][specs[0].rsplit("/", 1)[1]]
+    G.atomic_write_json(Path(out), {"host": host(), "settings": settings(), "outputs": outputs})
     return 0
 
 
