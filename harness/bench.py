@@ -323,15 +323,13 @@ def bench_cmd(as_json, out, out_dir, only, seqs, dense_peer, isolate):
     """Triton kernels vs naive vs peers on one GPU (H200); JSON with provenance."""
     import tempfile
 
-    import torch
-
+    from dsv4.harness.errors import BadInput, need_cuda
     from dsv4.harness.goldens import atomic_write_text
-    if not torch.cuda.is_available():
-        raise click.ClickException("bench kernels needs a CUDA GPU (none visible)")
+    need_cuda("dsv4 bench kernels")
     ops = [o for o in only.split(",") if o]
     bad = sorted(set(ops) - set(OPS))
     if bad:
-        raise click.ClickException(f"--only: unknown op {bad[0]!r}; known: {', '.join(OPS)}")
+        raise BadInput(f"--only: unknown op {bad[0]!r}; known: {', '.join(OPS)}")
     seq = [int(s) for s in seqs.split(",")]
     log = lambda r: print(json.dumps(r), file=sys.stderr, flush=True)
     res = {"provenance": _provenance(), "ops": {}}

@@ -86,8 +86,8 @@ def run(config: str, tokens: list[int], batch: int, steps: int, warmup: int, imp
     from dsv4.harness.flops import flops_per_token
     from dsv4.harness.goldens import provenance
     from dsv4.model.config import get_config
-    if not torch.cuda.is_available():
-        raise click.ClickException("bench train needs a CUDA device")
+    from dsv4.harness.errors import need_cuda
+    need_cuda("dsv4 bench train")
     device = torch.device("cuda")
     cfg = get_config(config)
     results = []

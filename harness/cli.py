@@ -8,6 +8,7 @@ file, slice or field; a full disk too).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -15,16 +16,13 @@ from pathlib import Path
 import click
 
 from dsv4.harness import errors
+from dsv4.harness.errors import BadInput, InputError
 
 LAZY = {   # commands that live beside the code they drive
     "train": ("dsv4.harness.train", "train_cmd"),
     "flops": ("dsv4.harness.flops", "flops_cmd"),
     "convert": ("dsv4.harness.convert_cli", "convert_cmd"),
 }
-
-
-class BadInput(click.ClickException):
-    exit_code = 2
 
 
 def emit_json(doc) -> None:
@@ -36,7 +34,7 @@ def _known_errors():
     from dsv4.harness.goldens import GoldenError
     from dsv4.harness.registry import RegistryError
     from dsv4.model.config import ConfigError
-    return (RegistryError, GoldenError, CaseError, ConfigError, OSError)
+    return (RegistryError, GoldenError, CaseError, ConfigError, OSError, InputError)
 
 
 def registry():
@@ -91,7 +89,7 @@ class DSv4Group(click.Group):
         try:
             return super().invoke(ctx)
         except _known_errors() as e:
-            raise BadInput(str(e)) from None
+            raise BadInput(str(e)) from None          # OSError included: a full disk is one line naming the file
 
 
 @click.group(cls=DSv4Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -193,6 +191,8 @@ def graph_cmd(fmt, focus, rounds, out, platform, labels, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def verify_cmd(sid, with_deps, platform, mode, report_dir, junit, skip_tests, workers, as_json):
     """Run slices' tests and golden checks; print each check with its numbers and verdict."""
+    if workers and not skip_tests and junit is None and importlib.util.find_spec("xdist") is None:
+        raise BadInput(f"-n {workers}: pytest-xdist is not installed (pip install pytest-xdist, or run with -n 0)")
     select_triton_interpreter()
     from dsv4.harness import verify as V
     reg = registry()

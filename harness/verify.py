@@ -21,6 +21,7 @@ import torch
 from . import goldens as G
 from . import numerics
 from .cases import MAX_ELEMS, CaseError, case_hash, collect
+from .errors import InputError, one_line
 from .registry import REPO, Registry, Slice
 
 PASS, REGRESSION, CANNOT_JUDGE, SKIPPED = "pass", "regression", "cannot-judge", "skipped"
@@ -67,7 +68,9 @@ def parse_junit(path: Path) -> list[dict]:
     try:
         root = ET.parse(path).getroot()
     except (ET.ParseError, OSError) as e:
-        raise ValueError(f"{path}: not a readable junit xml ({e})") from None
+        raise InputError(f"--junit {path}: not a readable junit xml ({one_line(e)})") from None
+    if root.tag not in ("testsuites", "testsuite"):
+        raise InputError(f"--junit {path}: not a junit xml (root element <{root.tag}>, expected <testsuite(s)>)")
     out = []
     for tc in root.iter("testcase"):
         verdict, detail = "pass", ""

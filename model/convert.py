@@ -19,6 +19,7 @@ Wrong, missing or unexpected tensors are refused with one line naming the key an
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -280,28 +281,90 @@ def config_from_hf(d: dict, **overrides) -> DSv4Config:
         raise ConfigError(f"config.json: scoring_func {d['scoring_func']!r} not supported (sqrtsoftplus)")
     if hf["tie_word_embeddings"]:
         raise ConfigError("config.json: tie_word_embeddings=true not supported (DSv4 head is untied)")
+    for k in sorted(set(extra) & set(hf)):
+        if extra[k] != hf[k]:
+            raise ConfigError(f"config.json: dsv4_config.{k} = {extra[k]!r} contradicts the HF fields, which give "
+                              f"{k} = {hf[k]!r}")
     merged = {**extra, **hf, **overrides}
     return DSv4Config.from_dict(merged)
+
+
+# JSON types of config fields: DSv4Config's own annotations, plus the HF-only fields config_from_hf reads
+_JSON_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "list[int]": (list,),
+               "list": (list,), "dict": (dict,), "dict | None": (dict, type(None)), "str | None": (str, type(None))}
+_HF_ONLY_TYPES = {"partial_rotary_factor": "float", "num_key_value_heads": "int", "layer_types": "list",
+                  "mlp_layer_types": "list", "compress_rates": "dict", "rope_parameters": "dict | None",
+                  "num_hash_layers": "int", "dsv4_config": "dict | None"}
+
+
+def check_field_types(d: dict, where: str) -> None:
+    """Refuse, naming the field, a config JSON value of the wrong type (a string "64" for an int, ...)."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: must be a JSON object, got {type(d).__name__}")
+    types = {f.name: f.type for f in dataclasses.fields(DSv4Config)} | _HF_ONLY_TYPES
+    for k, v in d.items():
+        t = types.get(k)
+        if t is None:
+            continue
+        ok = _JSON_TYPES[t]
+        bad = not isinstance(v, ok) or (isinstance(v, bool) and bool not in ok)
+        if not bad and t == "list[int]":
+            bad = not all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        if bad:
+            raise ConfigError(f"{where}: field {k!r} must be {t}, got {type(v).__name__} {json.dumps(v)[:40]}")
 
 
 # ---------------------------------------------------------------------------------------------------------
 # files
 # ---------------------------------------------------------------------------------------------------------
 
-def _read_dir(directory: str) -> tuple[dict, dict[str, torch.Tensor]]:
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+def read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """One safetensors file -> tensors; a pickle / torch.save file or a truncated, tampered file is refused in one
+    line naming it. Pickle is never unpickled (that can run code), not even with torch.load(weights_only=True)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+        if head[:1] == b"\x80" or head == b"PK\x03\x04":          # pickle protocol >= 2 / torch.save zip
+            raise CheckpointError(f"{path}: a pickle (torch.save) file, not safetensors: not loaded, since "
+                                  f"unpickling can run code; convert it to safetensors first")
+        return load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+
+
+def _read_dir(directory: str) -> tuple[dict, dict[str, torch.Tensor], str]:
+    """-> (config.json dict, tensors, where: the file, or the files, the tensors came from)."""
     cfg_path = os.path.join(directory, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{directory}: no config.json")
-    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    names = sorted(os.listdir(directory))
+    files = [f for f in names if f.endswith(".safetensors")]
     if not files:
+        pick = [f for f in names if f.endswith(PICKLE_SUFFIXES)]
+        if pick:
+            raise CheckpointError(f"{os.path.join(directory, pick[0])}: a pickle checkpoint: not loaded, since "
+                                  f"unpickling can run code; only safetensors are read")
         raise CheckpointError(f"{directory}: no .safetensors files (only safetensors checkpoints are read)")
-    with open(cfg_path) as fh:
-        d = json.load(fh)
-    sd = {}
+    try:
+        with open(cfg_path) as fh:
+            d = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+    check_field_types(d, cfg_path)
+    check_field_types(d.get("dsv4_config") or {}, f"{cfg_path}: dsv4_config")
+    sd, seen = {}, {}
     for f in files:
-        sd.update(load_file(os.path.join(directory, f)))
-    return d, sd
+        for k, v in read_safetensors(os.path.join(directory, f)).items():
+            if k in seen:
+                raise CheckpointError(f"{directory}: tensor {k} is in both {seen[k]} and {f}")
+            sd[k], seen[k] = v, f
+    where = os.path.join(directory, files[0]) if len(files) == 1 else os.path.join(directory, "*.safetensors")
+    return d, sd, where
 
 
 def _write_dir(directory: str, config: dict, sd: dict[str, torch.Tensor]) -> None:
@@ -313,18 +376,21 @@ def _write_dir(directory: str, config: dict, sd: dict[str, torch.Tensor]) -> Non
               metadata={"format": "pt"})
 
 
-def load_checked(model, sd: dict[str, torch.Tensor]) -> None:
-    """Copy `sd` into `model` (our names); refuse missing / unexpected / wrongly shaped tensors in one line."""
+def load_checked(model, sd: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
+    """Copy `sd` into `model` (our names); refuse missing / unexpected / wrongly shaped tensors in one line
+    naming `where` (the file) and the tensor."""
     want = model.state_dict()
     for k, v in want.items():
         if k not in sd:
-            raise CheckpointError(f"missing tensor {k}: model expects shape {list(v.shape)}, checkpoint has none")
+            raise CheckpointError(f"{where}: missing tensor {k}: model expects shape {list(v.shape)}, "
+                                  f"checkpoint has none")
         if tuple(sd[k].shape) != tuple(v.shape):
-            raise CheckpointError(f"tensor {k}: checkpoint shape {list(sd[k].shape)}, model expects {list(v.shape)}")
+            raise CheckpointError(f"{where}: tensor {k}: checkpoint shape {list(sd[k].shape)}, "
+                                  f"model expects {list(v.shape)}")
     extra = sorted(set(sd) - set(want))
     if extra:
-        raise CheckpointError(f"unexpected tensor {extra[0]}: checkpoint shape {list(sd[extra[0]].shape)}, "
-                              f"model has none")
+        raise CheckpointError(f"{where}: unexpected tensor {extra[0]}: checkpoint shape "
+                              f"{list(sd[extra[0]].shape)}, model has none")
     with torch.no_grad():
         for k, v in want.items():
             v.copy_(sd[k])
@@ -367,7 +433,7 @@ def from_hf(directory: str, **overrides):
 
     `mtp.*` tensors (official names) are loaded when present; otherwise the MTP block keeps its fresh init.
     """
-    d, hf_sd = _read_dir(directory)
+    d, hf_sd, where = _read_dir(directory)
     if (d.get("dsv4_config") or {}).get("shared_expert_clamp") is False and "shared_expert_clamp" not in overrides:
         raise CheckpointError(f"{directory}: dsv4_config.shared_expert_clamp=false but HF runs this checkpoint with "
                               "the shared expert clamped (older to_hf export); pass shared_expert_clamp explicitly")
@@ -377,7 +443,7 @@ def from_hf(directory: str, **overrides):
     sd = normalise_hf_names(hf_sd)
     if not any(k.startswith("mtp.") for k in sd):
         sd.update({k: v for k, v in model.state_dict().items() if k.startswith("mtp.")})
-    load_checked(model, sd)
+    load_checked(model, sd, where)
     return model
 
 
@@ -405,10 +471,10 @@ def to_hf(model, directory: str, clamp_shared_expert: bool = False) -> None:
 
 def load_official(directory: str, **overrides):
     """An official-naming checkpoint directory (config.json + safetensors) -> DSv4Model (unclamped shared expert)."""
-    d, off = _read_dir(directory)
+    d, off, where = _read_dir(directory)
     cfg = config_from_hf(d, **overrides)
     model = _build(cfg)
-    load_checked(model, official_to_ours(off))
+    load_checked(model, official_to_ours(off), where)
     return model
 
 
