@@ -19,11 +19,15 @@ import os
 import shutil
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import save_file
 
+from dsv4.harness.errors import one_line
+from dsv4.model.convert import CheckpointError, read_safetensors   # one error class for every checkpoint
 
-class CheckpointError(RuntimeError):
-    """A missing or unreadable checkpoint (one line)."""
+# meta.json fields and their JSON types (checked on load when present; `dsv4 train --resume` needs them all)
+META_TYPES = {"step": int, "seed": int, "config_hash": str, "recipe": dict, "history": list,
+              "consumed_samples": int, "model_config": dict, "optim_tree": dict}
 
 
 def _fsync_file(path: str) -> None:
@@ -109,6 +113,15 @@ def save_checkpoint(ckpt_dir: str, step: int, model: torch.nn.Module, optim_stat
             shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
     name = f"step_{step:06d}"
     tmp = os.path.join(ckpt_dir, f".tmp-{name}-{os.getpid()}")
+    try:
+        return _save(ckpt_dir, name, tmp, step, model, optim_state, meta)
+    except (OSError, SafetensorError) as e:                                # full disk, read-only fs, ...
+        shutil.rmtree(tmp, ignore_errors=True)                             # nothing half-written stays
+        raise CheckpointError(f"checkpoint {os.path.join(ckpt_dir, name)}: cannot write ({one_line(e)}); "
+                              f"the previous checkpoint is intact") from None
+
+
+def _save(ckpt_dir, name, tmp, step, model, optim_state, meta) -> str:
     os.makedirs(tmp)
     model_t = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
     save_file(model_t, os.path.join(tmp, "model.safetensors"))
@@ -139,6 +152,9 @@ def save_checkpoint(ckpt_dir: str, step: int, model: torch.nn.Module, optim_stat
 
 def latest_checkpoint(path: str) -> str:
     """Resolve `path` (a run dir, its checkpoints dir, or a step dir) to a complete step directory."""
+    if os.path.isfile(path):
+        read_safetensors(path)                           # a pickle / torch.save file: refused, never unpickled
+        raise CheckpointError(f"resume: {path!r} is a file; give a run dir, its checkpoints/ dir or a step dir")
     for base in (path, os.path.join(path, "checkpoints")):
         if os.path.isfile(os.path.join(base, "meta.json")):
             return base
@@ -154,13 +170,35 @@ def latest_checkpoint(path: str) -> str:
 def load_checkpoint(path: str) -> tuple[dict, dict, dict, dict]:
     """-> (model_state, optim_state, rng_state, meta) from a step directory (safetensors + JSON only)."""
     d = latest_checkpoint(path)
+    mp = os.path.join(d, "meta.json")
     try:
-        with open(os.path.join(d, "meta.json")) as f:
+        with open(mp) as f:
             meta = json.load(f)
-        model_state = load_file(os.path.join(d, "model.safetensors"))
-        opt_t = load_file(os.path.join(d, "optim.safetensors"))
-        rng = load_file(os.path.join(d, "rng.safetensors"))
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"resume: unreadable checkpoint {d!r}: {str(e).splitlines()[0]}") from None
-    optim_state = unflatten_state(meta.pop("optim_tree"), opt_t)
-    return model_state, optim_state, rng, meta
+        raise CheckpointError(f"{mp}: unreadable ({one_line(e)})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{mp}: must be a JSON object, got {type(meta).__name__}")
+    for k, t in META_TYPES.items():
+        if k in meta and (not isinstance(meta[k], t) or (t is int and isinstance(meta[k], bool))):
+            raise CheckpointError(f"{mp}: field {k!r} must be {t.__name__}, got {type(meta[k]).__name__}")
+    model_state = read_safetensors(os.path.join(d, "model.safetensors"))
+    opt_t = read_safetensors(os.path.join(d, "optim.safetensors"))
+    rng = read_safetensors(os.path.join(d, "rng.safetensors"))
+    tree = meta.pop("optim_tree", {})
+    refs, op = _tree_refs(tree), os.path.join(d, "optim.safetensors")
+    missing, extra = sorted(refs - set(opt_t)), sorted(set(opt_t) - refs)
+    if missing:
+        raise CheckpointError(f"{op}: missing tensor {missing[0]} (meta.json's optimiser state refers to it)")
+    if extra:
+        raise CheckpointError(f"{op}: unexpected tensor {extra[0]} (meta.json's optimiser state does not refer to it)")
+    meta["dir"] = d
+    return model_state, unflatten_state(tree, opt_t), rng, meta
+
+
+def _tree_refs(obj) -> set:
+    """Tensor keys a flattened state tree (flatten_state) refers to."""
+    if isinstance(obj, dict):
+        return {obj["__tensor__"]} if "__tensor__" in obj else set().union(set(), *map(_tree_refs, obj.values()))
+    if isinstance(obj, list):
+        return set().union(set(), *map(_tree_refs, obj))
+    return set()

@@ -75,14 +75,23 @@ def stdlib_documents(modules=STDLIB_MODULES) -> list[str]:
     return docs
 
 
-def text_documents(paths: list[str]) -> list[str]:
-    """User text files; one document per blank-line-pair separated block."""
+def text_documents(paths: list[str], errors: str = "strict") -> list[str]:
+    """User text files (UTF-8); one document per blank-line-pair separated block. A file that is not UTF-8 is
+    refused naming it and the byte offset (errors="strict"), or decoded with U+FFFD (errors="replace")."""
+    if errors not in ("strict", "replace"):
+        raise DataError(f"corpus.errors: must be strict|replace, got {errors!r}")
     docs = []
     for p in paths:
         if not os.path.isfile(p):
             raise DataError(f"corpus: no such file {p!r}")
-        with open(p, encoding="utf-8", errors="replace") as f:
-            docs += [d.strip("\n") + "\n" for d in f.read().split("\n\n\n") if d.strip()]
+        with open(p, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8", errors=errors)
+        except UnicodeDecodeError as e:
+            raise DataError(f"corpus: {p}: not UTF-8 at byte offset {e.start} ({e.reason}: "
+                            f"{raw[e.start:e.start + 4]!r}); re-encode it or pass --errors replace") from None
+        docs += [d.strip("\n") + "\n" for d in text.replace("\r\n", "\n").replace("\r", "\n").split("\n\n\n") if d.strip()]
     if not docs:
         raise DataError("corpus: the given files hold no text")
     return docs

@@ -146,6 +146,18 @@ def _finite(x: float):
     return x if math.isfinite(x) else ("nan" if math.isnan(x) else ("inf" if x > 0 else "-inf"))
 
 
+def json_safe(obj):
+    """Strict JSON: every non-finite float -> "nan" / "inf" / "-inf" (the golden-values spelling), recursively.
+    Writers then use json.dumps(..., allow_nan=False), so no bare NaN / Infinity ever reaches a file or stdout."""
+    if isinstance(obj, float):
+        return _finite(obj)
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def _unfinite(x) -> float:
     return float(x) if not isinstance(x, str) else float(x)
 

@@ -12,7 +12,16 @@ Megatron's metric names where one exists: `lm loss`, `mtp_1 loss`, `indexer loss
 
 Outputs in `--out`: TensorBoard events (`tensorboard/`), `golden_values.json` (Megatron's golden-values
 format: per metric {start_step, end_step, step_interval, values {"1": ...}}, 5 decimals, "nan" if missing),
-`metrics.jsonl`, `run.json` (provenance), `checkpoints/` (harness/checkpoint.py; atomic).
+`metrics.jsonl`, `run.json`, `provenance.json` (harness.goldens.provenance: what `dsv4 compare` reports show),
+`checkpoints/` (harness/checkpoint.py; atomic; the last step is always saved, with the model config, so every
+run can be resumed and converted: `dsv4 convert <out> <dst> --to hf`).
+
+Runs that would waste time are stopped: a non-finite loss, gradient or parameter stops the run at that step
+(exit 1, naming the first non-finite tensor); `--out` holding another run is refused unless `--resume` (in
+place) or `--overwrite`; `--resume` with `--steps` <= the checkpoint's step is refused; resuming in place drops
+the `metrics.jsonl` rows after the checkpoint's step. Text corpora must be UTF-8 (`--errors replace` to
+substitute U+FFFD). JSON output is strict: non-finite floats are written as the strings "nan", "inf", "-inf"
+(Megatron's golden-values spelling), never as bare NaN.
 
 Determinism: on CPU, `torch.use_deterministic_algorithms(True)` and a fixed thread count (1 by default), the
 data order is a pure function of (seed, consumed samples); resuming from step k replays steps k+1.. exactly.
@@ -25,22 +34,23 @@ import json
 import math
 import os
 import platform
-import subprocess
+import shutil
 import sys
 import time
 from dataclasses import dataclass, asdict
 
 import click
-
-from dsv4.harness.errors import report_bad_input
 import numpy as np
 import torch
 
 from dsv4.harness import checkpoint as ckpt
+from dsv4.harness import goldens as G
+from dsv4.harness.errors import is_disk_full, report_bad_input
 from dsv4.harness.data import DataError, GPTSamples, IndexedTokens, build_text_dataset, text_documents
 from dsv4.harness.flops import flops_per_token
 from dsv4.harness.optim import build_optimizer, lr_at
 from dsv4.model.config import ConfigError, DSv4Config, get_config
+from dsv4.model.convert import load_checked
 
 # Metrics written to golden_values.json: Megatron's exported set plus "indexer loss" -- the ones the harness's
 # threshold table (harness/thresholds.py) judges. Everything else (grad-norm, moe aux loss, tokens/s, TFLOP/s,
@@ -67,6 +77,7 @@ class Recipe:
     backend: str = "naive"          # kernel backend of the model: naive | triton
     text: tuple = ()                # text files for the corpus; () = the default offline stdlib corpus
     packing: bool = False           # THD: documents packed into one [1, B*S] row per step (P7 scheduler)
+    text_errors: str = "strict"     # text files that are not UTF-8: strict (refuse) | replace (U+FFFD)
 
 
 RECIPES = {
@@ -87,17 +98,37 @@ class TrainError(ValueError):
     """Bad training input; one line."""
 
 
+class NonFiniteError(RuntimeError):
+    """The run diverged: a loss, gradient or parameter is NaN/Inf (exit 1, naming the first such tensor)."""
+
+    def __init__(self, step: int, what: str, name: str, value: str):
+        super().__init__(f"train: step {step}: non-finite {what} {name} ({value}); run stopped")
+        self.doc = {"step": step, "what": what, "tensor": name, "value": value}
+
+
+# files and folders that mark an --out directory as holding a run
+RUN_FILES = ("run.json", "provenance.json", "metrics.jsonl", "golden_values.json", "routing_stats.json",
+             "checkpoints", "tensorboard")
+
+
 # ------------------------------------------------------------------------------------------------ helpers
 def _git_sha() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return sha + ("-dirty" if dirty else "") if sha else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    sha, dirty = G.git_sha()
+    return sha + ("-dirty" if dirty else "")
+
+
+def first_nonfinite(named) -> tuple[str, str] | None:
+    """(name, "nan" | "inf") of the first tensor in `named` ((name, tensor) pairs) holding a NaN or Inf."""
+    for n, t in named:
+        if t is not None and not bool(torch.isfinite(t).all()):
+            return n, "nan" if bool(torch.isnan(t).any()) else "inf"
+    return None
+
+
+def _check_finite(step: int, what: str, named) -> None:
+    bad = first_nonfinite(named)
+    if bad:
+        raise NonFiniteError(step, what, *bad)
 
 
 def config_hash(cfg: DSv4Config) -> str:
@@ -123,13 +154,28 @@ def golden_values(history: list[dict], metrics=GOLDEN_METRICS) -> dict:
     return out
 
 
-def _atomic_json(path: str, data) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _platform_name(device: torch.device) -> str:
+    """The goldens' platform name of this device (cpu | h200 | h100 | gb200), else the device type."""
+    if device.type != "cuda":
+        return "cpu"
+    gpu = torch.cuda.get_device_name(device).lower()
+    return next((p for p in ("gb200", "h200", "h100") if p in gpu), "cuda")
+
+
+def _load_optim(opt, state: dict, model, where: str) -> None:
+    """Load the optimiser state; refuse, naming the parameter, a moment whose shape does not fit its parameter."""
+    try:
+        opt.load_state_dict(state)
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise ckpt.CheckpointError(f"{where}: does not fit the optimiser ({str(e).splitlines()[0]})") from None
+    names = {id(p): n for n, p in model.named_parameters()}
+    for o in (opt.muon, opt.adamw):
+        for group in (o.param_groups if o else []):
+            for p in group["params"]:
+                for k, v in o.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.shape != p.shape:
+                        raise ckpt.CheckpointError(f"{where}: {k} of {names[id(p)]}: shape {list(v.shape)}, "
+                                                   f"parameter has {list(p.shape)}")
 
 
 _FLOPS_CACHE: dict = {}
@@ -186,22 +232,56 @@ class _Reordered:
 
 
 # ------------------------------------------------------------------------------------------------ the loop
-def train(recipe: Recipe, out: str, seed: int = 1234, resume: str | None = None, model_factory=build_model,
-          progress: bool = True, log=lambda s: print(s, file=sys.stderr)) -> dict:
-    """Run `recipe` into `out`; returns a summary dict. `model_factory(cfg)` builds the model (tests may swap).
+def train(recipe: Recipe, out: str, seed: int = 1234, resume: str | None = None, model_factory=None,
+          progress: bool = True, log=lambda s: print(s, file=sys.stderr), overwrite: bool = False,
+          save_final: bool = True) -> dict:
+    """Run `recipe` into `out`; returns a summary dict. `model_factory(cfg)` builds the model (default
+    `build_model`, looked up at call time so tests may swap it).
 
     The process-wide settings it changes (thread count, deterministic algorithms) are restored on return.
     """
     saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
              torch.is_deterministic_algorithms_warn_only_enabled())
     try:
-        return _train(recipe, out, seed, resume, model_factory, progress, log)
+        return _train(recipe, out, seed, resume, model_factory or build_model, progress, log, overwrite,
+                      save_final)
     finally:
         torch.set_num_threads(saved[0])
         torch.use_deterministic_algorithms(saved[1], warn_only=saved[2])
 
 
-def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
+def _prepare_out(out: str, resume: str | None, overwrite: bool) -> str | None:
+    """Refuse an --out that holds another run (unless --overwrite, which removes that run's files); returns the
+    checkpoint directory to resume from."""
+    ck_dir = ckpt.latest_checkpoint(resume) if resume else None
+    in_place = ck_dir is not None and os.path.realpath(ck_dir).startswith(os.path.realpath(out) + os.sep)
+    held = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+    if held and not in_place:
+        if not overwrite:
+            raise TrainError(f"train.out: {out} already holds a run ({held[0]}); pass --overwrite to replace it, "
+                             f"or --resume {out} to continue it")
+        for f in held:
+            path = os.path.join(out, f)
+            shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+    return ck_dir
+
+
+def _keep_metrics_until(path: str, step: int) -> None:
+    """Resuming in place at `step`: drop the metrics.jsonl rows after it (and a torn last line)."""
+    if not os.path.exists(path):
+        return
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+            except (ValueError, KeyError, TypeError):
+                pass
+    G.atomic_write_text(path, "".join(keep))
+
+
+def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=False, save_final=True) -> dict:
     if recipe.steps < 1:
         raise TrainError(f"train.steps: must be >= 1, got {recipe.steps}")
     if recipe.device not in ("cpu", "cuda"):
@@ -210,7 +290,21 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
         raise TrainError("train.device: cuda requested but no CUDA device is available")
     if recipe.dtype not in DTYPES:
         raise TrainError(f"train.dtype: must be {'|'.join(DTYPES)}, got {recipe.dtype!r}")
+    if recipe.backend == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise TrainError("train.backend: triton needs a CUDA GPU: none visible (torch.cuda.is_available() is "
+                         "False); use --backend naive")
     t_start = time.time()
+    ck_dir = _prepare_out(out, resume, overwrite)
+    loaded = None
+    if resume:
+        loaded = ckpt.load_checkpoint(ck_dir)
+        meta = loaded[3]
+        for k in ("step", "seed", "config_hash", "recipe", "history"):
+            if k not in meta:
+                raise TrainError(f"resume: {os.path.join(ck_dir, 'meta.json')}: missing field {k!r}")
+        if recipe.steps <= meta["step"]:
+            raise TrainError(f"train.steps: --steps {recipe.steps} <= step {meta['step']} of checkpoint {ck_dir}: "
+                             f"nothing to train (--steps is the total, give more than {meta['step']})")
     os.makedirs(out, exist_ok=True)
     device = torch.device(recipe.device)
     if device.type == "cpu":
@@ -221,7 +315,7 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
     cfg = get_config(recipe.config)
-    docs = text_documents(list(recipe.text)) if recipe.text else None
+    docs = text_documents(list(recipe.text), recipe.text_errors) if recipe.text else None
     data_info = build_text_dataset(os.path.join(out, "data", "corpus"), docs)
     if data_info["tokens"] and cfg.vocab_size < 256:
         raise TrainError(f"train.config: vocab_size {cfg.vocab_size} < 256 cannot hold byte tokens")
@@ -246,9 +340,10 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     fl = flops_per_token(cfg, recipe.seq_len)["total_training_flops_per_token"]
 
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     step0, history = 0, []
     if resume:
-        m_state, o_state, rng, meta = ckpt.load_checkpoint(resume)
+        m_state, o_state, rng, meta = loaded
         def core(r):
             return {k: v for k, v in r.items() if k not in ("steps", "save_interval")}
         now = json.loads(json.dumps(asdict(recipe)))                        # tuples -> lists, as stored
@@ -256,11 +351,14 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
             raise TrainError(f"resume: checkpoint {resume!r} was made with another recipe/config")
         if meta["seed"] != seed:
             raise TrainError(f"resume: checkpoint seed {meta['seed']} != --seed {seed}")
-        model.load_state_dict({k: v.to(device) for k, v in m_state.items()}, strict=True)
-        opt.load_state_dict(o_state)
+        load_checked(model, m_state, os.path.join(ck_dir, "model.safetensors"))
+        _load_optim(opt, o_state, model, os.path.join(ck_dir, "optim.safetensors"))
         ckpt.set_rng_state(rng)
         step0, history = meta["step"], meta["history"]
-        log(f"resumed from {resume} at step {step0}")
+        log(f"resumed from {ck_dir} at step {step0}")
+    _check_finite(step0, "parameter", named)                    # a NaN init or a poisoned checkpoint: stop now
+    prov = G.provenance(_platform_name(device), config=json.loads(json.dumps(asdict(recipe))), seed=seed)
+    G.atomic_write_json(os.path.join(out, "provenance.json"), prov)
 
     run_info = {"recipe": asdict(recipe), "config": recipe.config, "config_hash": config_hash(cfg), "seed": seed,
                 "git_sha": _git_sha(), "torch": torch.__version__, "python": platform.python_version(),
@@ -268,10 +366,8 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
                 "device_name": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
                 "threads": torch.get_num_threads(), "deterministic": torch.are_deterministic_algorithms_enabled(),
                 "data": data_info, "flops_per_token": fl, "resumed_from": resume, "start_step": step0 + 1,
-                "command": " ".join(sys.argv)}
-    _atomic_json(os.path.join(out, "run.json"), run_info)
-    from dsv4.harness.goldens import provenance          # what `dsv4 compare` reports for this run
-    _atomic_json(os.path.join(out, "provenance.json"), provenance(device.type, config=cfg.to_dict(), seed=seed))
+                "command": " ".join(sys.argv), "provenance": prov}
+    G.atomic_write_json(os.path.join(out, "run.json"), run_info)
 
     from torch.utils.tensorboard import SummaryWriter
     tb = SummaryWriter(log_dir=os.path.join(out, "tensorboard"))
@@ -286,86 +382,100 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
     gates = {n.removesuffix(".ffn.gate").removeprefix("layers."): m for n, m in model.named_modules()
              if hasattr(m, "tokens_per_expert") and hasattr(m, "update_expert_bias")}
     routing: dict = {}
+    if resume:
+        _keep_metrics_until(os.path.join(out, "metrics.jsonl"), step0)
     metrics_f = open(os.path.join(out, "metrics.jsonl"), "a" if resume else "w")
-    for step in range(step0 + 1, recipe.steps + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        lr = lr_at(step, recipe.lr, recipe.warmup, recipe.steps, recipe.min_lr)
-        opt.set_lr(lr)
-        if recipe.packing:
-            pb = packed_src.batch(step - 1)
-            x = torch.from_numpy(pb["tokens"])[None].to(device)               # [1, B*S]
-            y = torch.from_numpy(pb["labels"])[None].to(device)
-            cu = torch.from_numpy(pb["cu_seqlens"]).to(device)
-            cup = torch.from_numpy(pb["cu_seqlens_padded"]).to(device)
-            lens = np.diff(pb["cu_seqlens"])
-            real_tokens = int(lens.sum())
-            step_flops = sum(int(n) * _flops_cached(cfg, int(n)) for n in lens)   # per document: Megatron's sum L_i^2
-            fwd = lambda: packed_model_forward(model, x, y, cu, cup)          # noqa: E731
-        else:
-            x, y = samples.batch((step - 1) * recipe.batch_size, recipe.batch_size)
-            x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
-            real_tokens, step_flops = tokens_per_step, fl * tokens_per_step
-            fwd = lambda: model(x, y)                                         # noqa: E731
-        opt.zero_grad(set_to_none=True)
-        if amp is not None:
-            with amp:
+
+    def save(step):
+        ckpt.save_checkpoint(ckpt_dir, step, model, opt.state_dict(),
+                             {"history": history, "consumed_samples": step * recipe.batch_size, "seed": seed,
+                              "config_hash": config_hash(cfg), "recipe": asdict(recipe),
+                              "model_config": cfg.to_dict()})
+    try:
+        for step in range(step0 + 1, recipe.steps + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            lr = lr_at(step, recipe.lr, recipe.warmup, recipe.steps, recipe.min_lr)
+            opt.set_lr(lr)
+            if recipe.packing:
+                pb = packed_src.batch(step - 1)
+                x = torch.from_numpy(pb["tokens"])[None].to(device)               # [1, B*S]
+                y = torch.from_numpy(pb["labels"])[None].to(device)
+                cu = torch.from_numpy(pb["cu_seqlens"]).to(device)
+                cup = torch.from_numpy(pb["cu_seqlens_padded"]).to(device)
+                lens = np.diff(pb["cu_seqlens"])
+                real_tokens = int(lens.sum())
+                step_flops = sum(int(n) * _flops_cached(cfg, int(n)) for n in lens)   # per document: Megatron's sum L_i^2
+                fwd = lambda: packed_model_forward(model, x, y, cu, cup)          # noqa: E731
+            else:
+                x, y = samples.batch((step - 1) * recipe.batch_size, recipe.batch_size)
+                x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
+                real_tokens, step_flops = tokens_per_step, fl * tokens_per_step
+                fwd = lambda: model(x, y)                                         # noqa: E731
+            opt.zero_grad(set_to_none=True)
+            if amp is not None:
+                with amp:
+                    o = fwd()
+            else:
                 o = fwd()
-        else:
-            o = fwd()
-        o.loss.backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t_fb = time.perf_counter() - t0
-        num_zeros = sum(int((p.grad == 0).sum()) if p.grad is not None else p.numel() for p in params)
-        gnorm = float(torch.nn.utils.clip_grad_norm_(params, recipe.clip_grad))
-        opt.step()
-        step_loads = {k: g.tokens_per_expert.detach().cpu().tolist() for k, g in gates.items()}
-        for k, v in step_loads.items():
-            routing[k] = [a + b for a, b in zip(routing.get(k, [0] * len(v)), v)]
-        if hasattr(model, "update_expert_bias"):
-            model.update_expert_bias()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        rec = {"step": step, "lr": lr, "total loss": float(o.loss.detach()), "grad-norm": gnorm,
-               "num-zeros": float(num_zeros), "iteration-time": dt, "tokens-per-sec": real_tokens / dt,
-               "tflops": step_flops / dt / 1e12, "fwd-bwd-time": t_fb, "tokens": float(real_tokens),
-               "optimizer-time": dt - t_fb}
-        rec.update({k: float(v) for k, v in o.losses.items()})
-        imb = [max(v) * len(v) / sum(v) for v in step_loads.values() if sum(v)]
-        if imb:
-            rec["moe-max-over-mean"] = max(imb)                                # busiest expert / mean, worst layer
-        if device.type == "cuda":
-            ms = torch.cuda.memory_stats()
-            rec["mem-allocated-bytes"] = float(ms["allocated_bytes.all.current"])
-            rec["mem-max-allocated-bytes"] = float(ms["allocated_bytes.all.peak"])
-        history.append(rec)
-        for k, v in rec.items():
-            if k != "step":
-                tb.add_scalar(k, v, step)
-        metrics_f.write(json.dumps(rec) + "\n")
-        metrics_f.flush()
-        bar.update(1)
-        bar.set_postfix(loss=f"{rec['lm loss']:.4f}", tok_s=f"{rec['tokens-per-sec']:.0f}")
-        if recipe.save_interval and step % recipe.save_interval == 0 and step < recipe.steps:
-            ckpt.save_checkpoint(ckpt_dir, step, model, opt.state_dict(),
-                                 {"history": history, "consumed_samples": step * recipe.batch_size,
-                                  "seed": seed, "config_hash": config_hash(cfg), "recipe": asdict(recipe)})
-    bar.close()
-    tb.flush()
-    tb.close()
-    metrics_f.close()
-    if recipe.save_interval:
-        ckpt.save_checkpoint(ckpt_dir, recipe.steps, model, opt.state_dict(),
-                             {"history": history, "consumed_samples": recipe.steps * recipe.batch_size,
-                              "seed": seed, "config_hash": config_hash(cfg), "recipe": asdict(recipe)})
-    _atomic_json(os.path.join(out, "routing_stats.json"),
-                 {"layers": routing, "steps": recipe.steps - step0, "start_step": step0 + 1})
+            o.loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t_fb = time.perf_counter() - t0
+            num_zeros = sum(int((p.grad == 0).sum()) if p.grad is not None else p.numel() for p in params)
+            # = clip_grad_norm_ (same two calls), with the unclipped norm checked in between: a NaN/Inf stops here
+            total_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            if not (math.isfinite(float(o.loss.detach())) and math.isfinite(float(total_norm))):
+                _check_finite(step, "loss", [*o.losses.items(), ("total loss", o.loss.detach())])
+                _check_finite(step, "gradient", [(n, p.grad) for n, p in named])
+                raise NonFiniteError(step, "gradient", "norm", str(float(total_norm)))   # finite grads, norm overflow
+            torch.nn.utils.clip_grads_with_norm_(params, recipe.clip_grad, total_norm)
+            gnorm = float(total_norm)
+            opt.step()
+            step_loads = {k: g.tokens_per_expert.detach().cpu().tolist() for k, g in gates.items()}
+            for k, v in step_loads.items():
+                routing[k] = [a + b for a, b in zip(routing.get(k, [0] * len(v)), v)]
+            if hasattr(model, "update_expert_bias"):
+                model.update_expert_bias()
+            if not math.isfinite(float(torch.nn.utils.get_total_norm(params))):      # one reduction; names on failure
+                _check_finite(step, "parameter", named)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            rec = {"step": step, "lr": lr, "total loss": float(o.loss.detach()), "grad-norm": gnorm,
+                   "num-zeros": float(num_zeros), "iteration-time": dt, "tokens-per-sec": real_tokens / dt,
+                   "tflops": step_flops / dt / 1e12, "fwd-bwd-time": t_fb, "tokens": float(real_tokens),
+                   "optimizer-time": dt - t_fb}
+            rec.update({k: float(v) for k, v in o.losses.items()})
+            imb = [max(v) * len(v) / sum(v) for v in step_loads.values() if sum(v)]
+            if imb:
+                rec["moe-max-over-mean"] = max(imb)                                # busiest expert / mean, worst layer
+            if device.type == "cuda":
+                ms = torch.cuda.memory_stats()
+                rec["mem-allocated-bytes"] = float(ms["allocated_bytes.all.current"])
+                rec["mem-max-allocated-bytes"] = float(ms["allocated_bytes.all.peak"])
+            history.append(rec)
+            for k, v in rec.items():
+                if k != "step":
+                    tb.add_scalar(k, v, step)
+            metrics_f.write(json.dumps(G.json_safe(rec), allow_nan=False) + "\n")
+            metrics_f.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['lm loss']:.4f}", tok_s=f"{rec['tokens-per-sec']:.0f}")
+            if recipe.save_interval and step % recipe.save_interval == 0 and step < recipe.steps:
+                save(step)
+    finally:
+        bar.close()
+        tb.close()
+        metrics_f.close()
+    if recipe.save_interval or save_final:
+        save(recipe.steps)
+    G.atomic_write_json(os.path.join(out, "routing_stats.json"),
+                        {"layers": routing, "steps": recipe.steps - step0, "start_step": step0 + 1})
     gv = golden_values(history)
-    _atomic_json(os.path.join(out, "golden_values.json"), gv)
+    G.atomic_write_json(os.path.join(out, "golden_values.json"), gv)
     lm = [h["lm loss"] for h in history]
     summary = {"out": os.path.abspath(out), "recipe": recipe.config, "steps": recipe.steps, "start_step": step0 + 1,
                "seed": seed, "device": str(device), "dtype": recipe.dtype,
@@ -387,20 +497,28 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
 @click.option("--seed", type=int, default=1234, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=None)
-@click.option("--save-interval", type=int, default=None, help="checkpoint every K steps (0 = never)")
+@click.option("--save-interval", type=int, default=None,
+              help="also checkpoint every K steps (0 = only the last step)")
+@click.option("--final-checkpoint/--no-final-checkpoint", default=True, show_default=True,
+              help="checkpoint the last step (resumable, convertible with `dsv4 convert`)")
+@click.option("--overwrite", is_flag=True, help="replace the run already in --out")
 @click.option("--threads", type=int, default=None, help="CPU threads (determinism needs a fixed count)")
 @click.option("--backend", type=click.Choice(["naive", "triton"]), default=None, help="model kernel backend")
 @click.option("--text", "text", multiple=True, type=click.Path(), help="text file(s) for the corpus (repeatable; "
               "default: the offline stdlib corpus)")
+@click.option("--errors", "text_errors", type=click.Choice(["strict", "replace"]), default=None,
+              help="--text files that are not UTF-8: strict (refuse, naming file and byte offset; default) | "
+                   "replace (U+FFFD)")
 @click.option("--packing/--no-packing", default=None, help="THD: pack whole documents into one row per step")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON summary on stdout")
-def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, threads, backend, text, packing,
-              as_json):
+@click.option("--json", "as_json", is_flag=True, help="print one JSON summary on stdout (strict JSON: non-finite "
+              "floats as \"nan\" / \"inf\" / \"-inf\")")
+def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, final_checkpoint, overwrite, threads,
+              backend, text, text_errors, packing, as_json):
     """Train a DSv4 model on one device (debug: seconds on CPU; tiny: the CPU loss-curve golden)."""
     r = RECIPES[recipe]
     kw = {k: v for k, v in dict(steps=steps, device=device, dtype=dtype, save_interval=save_interval,
                                  threads=threads, backend=backend, text=tuple(text) or None,
-                                 packing=packing).items()
+                                 text_errors=text_errors, packing=packing).items()
           if v is not None}
     try:
         if steps is not None and steps < 1:
@@ -412,11 +530,21 @@ def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, th
         if resume and "steps" not in kw:
             raise TrainError("train.steps: --resume needs --steps (the total number of steps)")
         r = Recipe(**{**asdict(r), **kw})
-        res = train(r, out or os.path.join("runs", recipe), seed=seed, resume=resume, progress=True)
+        res = train(r, out or os.path.join("runs", recipe), seed=seed, resume=resume, progress=True,
+                    overwrite=overwrite, save_final=final_checkpoint)
     except (TrainError, ConfigError, DataError, ckpt.CheckpointError) as e:
         report_bad_input(e)
+    except NonFiniteError as e:                                          # diverged: exit 1, not bad input
+        click.echo(f"dsv4: {e}", err=True)
+        if as_json:
+            click.echo(json.dumps(G.json_safe({"error": str(e), "exit_code": 1, **e.doc}), allow_nan=False))
+        sys.exit(1)
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        report_bad_input(e)                                              # full disk: one line naming the file
     if as_json:
-        click.echo(json.dumps(res))
+        click.echo(json.dumps(G.json_safe(res), allow_nan=False))
     else:
         click.echo(f"{recipe}: {res['steps']} steps, lm loss {res['lm_loss_first']:.4f} -> {res['lm_loss_last']:.4f}, "
                    f"{res['tokens_per_sec']:.0f} tokens/s, {res['wall_s']:.1f} s; wrote {res['golden_values']}")

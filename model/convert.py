@@ -327,14 +327,18 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     try:
-        with open(path, "rb") as fh:
-            head = fh.read(4)
-        if head[:1] == b"\x80" or head == b"PK\x03\x04":          # pickle protocol >= 2 / torch.save zip
-            raise CheckpointError(f"{path}: a pickle (torch.save) file, not safetensors: not loaded, since "
-                                  f"unpickling can run code; convert it to safetensors first")
         return load_file(path)
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+        why = str(e).splitlines()[0]
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(2)
+    except OSError:
+        head = b""
+    if head == b"PK" or (len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5):   # torch.save zip / pickle
+        raise CheckpointError(f"{path}: a pickle (torch.save) file, not safetensors: not loaded, since unpickling "
+                              f"can run code; convert it to safetensors first")
+    raise CheckpointError(f"{path}: not a readable safetensors file ({why})")
 
 
 def _read_dir(directory: str) -> tuple[dict, dict[str, torch.Tensor], str]:
