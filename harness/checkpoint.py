@@ -117,7 +117,8 @@ def save_checkpoint(ckpt_dir: str, step: int, model: torch.nn.Module, optim_stat
         return _save(ckpt_dir, name, tmp, step, model, optim_state, meta)
     except (OSError, SafetensorError) as e:                                # full disk, read-only fs, ...
         shutil.rmtree(tmp, ignore_errors=True)                             # nothing half-written stays
-        raise CheckpointError(f"checkpoint {os.path.join(ckpt_dir, name)}: cannot write ({one_line(e)}); "
+        why = getattr(e, "strerror", None) or one_line(e)
+        raise CheckpointError(f"checkpoint {os.path.join(ckpt_dir, name)}: cannot write ({why}); "
                               f"the previous checkpoint is intact") from None
 
 
@@ -167,9 +168,8 @@ def latest_checkpoint(path: str) -> str:
     raise CheckpointError(f"resume: no complete checkpoint under {path!r}")
 
 
-def load_checkpoint(path: str) -> tuple[dict, dict, dict, dict]:
-    """-> (model_state, optim_state, rng_state, meta) from a step directory (safetensors + JSON only)."""
-    d = latest_checkpoint(path)
+def read_meta(d: str) -> dict:
+    """meta.json of step directory `d`, its known fields type-checked (one line naming the file and field)."""
     mp = os.path.join(d, "meta.json")
     try:
         with open(mp) as f:
@@ -181,6 +181,14 @@ def load_checkpoint(path: str) -> tuple[dict, dict, dict, dict]:
     for k, t in META_TYPES.items():
         if k in meta and (not isinstance(meta[k], t) or (t is int and isinstance(meta[k], bool))):
             raise CheckpointError(f"{mp}: field {k!r} must be {t.__name__}, got {type(meta[k]).__name__}")
+    meta["dir"] = d
+    return meta
+
+
+def load_checkpoint(path: str) -> tuple[dict, dict, dict, dict]:
+    """-> (model_state, optim_state, rng_state, meta) from a step directory (safetensors + JSON only)."""
+    d = latest_checkpoint(path)
+    meta = read_meta(d)
     model_state = read_safetensors(os.path.join(d, "model.safetensors"))
     opt_t = read_safetensors(os.path.join(d, "optim.safetensors"))
     rng = read_safetensors(os.path.join(d, "rng.safetensors"))
@@ -191,7 +199,6 @@ def load_checkpoint(path: str) -> tuple[dict, dict, dict, dict]:
         raise CheckpointError(f"{op}: missing tensor {missing[0]} (meta.json's optimiser state refers to it)")
     if extra:
         raise CheckpointError(f"{op}: unexpected tensor {extra[0]} (meta.json's optimiser state does not refer to it)")
-    meta["dir"] = d
     return model_state, unflatten_state(tree, opt_t), rng, meta
 
 

@@ -486,16 +486,18 @@ def save_official(model, directory: str) -> None:
     _write_dir(directory, config_to_hf(model.cfg), ours_to_official(model.state_dict()))
 
 
-def convert(src: str, dst: str, src_format: str, dst_format: str, clamp_shared_expert: bool = False) -> dict:
-    """Convert a checkpoint directory between "hf" and "official"; returns a small summary dict.
+def convert(src: str, dst: str, src_format: str, dst_format: str, clamp_shared_expert: bool = False,
+            model=None) -> dict:
+    """Convert a checkpoint directory between "hf" and "official" (or save `model`, loaded by the caller from
+    `src`, e.g. a `dsv4 train` checkpoint); returns a small summary dict.
     `clamp_shared_expert`: see `to_hf` (an unclamped model goes to HF only as HF's clamped model)."""
     loaders = {"hf": from_hf, "official": load_official}
     savers = {"hf": to_hf, "official": save_official}
-    if src_format not in loaders:
-        raise CheckpointError(f"--from: unknown format {src_format!r} (hf | official)")
+    if model is None and src_format not in loaders:
+        raise CheckpointError(f"--from: unknown format {src_format!r} (auto | hf | official | train)")
     if dst_format not in savers:
         raise CheckpointError(f"--to: unknown format {dst_format!r} (hf | official)")
-    model = loaders[src_format](src)
+    model = model if model is not None else loaders[src_format](src)
     if dst_format == "hf":
         to_hf(model, dst, clamp_shared_expert=clamp_shared_expert)
     else:
