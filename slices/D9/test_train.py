@@ -198,3 +198,148 @@ def test_packed_thd_training_deterministic_and_resumable(tmp_path):
     for i in range(len(b0["cu_seqlens"]) - 1):
         o, n = int(b0["cu_seqlens_padded"][i]), int(b0["cu_seqlens"][i + 1] - b0["cu_seqlens"][i])
         assert (b0["labels"][o:o + n - 1] == b0["tokens"][o + 1:o + n]).all() and b0["labels"][o + n - 1] == -100
+
+
+# --------------------------------------------------------------------- runs that would waste time are stopped
+def _strict(text):
+    """json.loads that refuses bare NaN / Infinity (what json.dumps writes unless allow_nan=False)."""
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in JSON output"))
+
+
+def _invoke(args):
+    return CliRunner().invoke(train_cmd, args)
+
+
+def _diverge(monkeypatch, poison):
+    """Train with a model whose `poison(model, step_counter)` makes something non-finite."""
+    from dsv4.harness import train as T
+    real = T.build_model
+
+    def factory(cfg):
+        m = real(cfg)
+        poison(m)
+        return m
+    monkeypatch.setattr(T, "build_model", factory)
+
+
+def test_nonfinite_gradient_stops_the_run_naming_the_parameter(tmp_path, monkeypatch):
+    name = "layers.1.attn.wq_a.weight"
+    calls = []
+
+    def poison(m):
+        p = dict(m.named_parameters())[name]
+        p.register_hook(lambda g: (calls.append(1), g * float("nan") if len(calls) == 2 else g)[1])
+    _diverge(monkeypatch, poison)
+    r = _invoke(["--recipe", "debug", "--steps", "3", "--out", str(tmp_path / "o"), "--json"])
+    assert r.exit_code == 1, r.output
+    assert f"step 2: non-finite gradient {name} (nan)" in r.stderr
+    doc = _strict(r.stdout)
+    assert doc["exit_code"] == 1 and doc["step"] == 2 and doc["tensor"] == name
+    assert [h["step"] for h in _hist(tmp_path / "o")] == [1]           # step 2 was not applied
+
+
+def test_nonfinite_loss_and_parameters_stop_the_run(tmp_path, monkeypatch):
+    def inf_loss(m):
+        fwd = m.forward
+
+        def f(*a, **k):
+            o = fwd(*a, **k)
+            o.loss, o.losses["mtp_1 loss"] = o.loss * float("inf"), o.losses["mtp_1 loss"] * float("inf")
+            return o
+        m.forward = f
+    _diverge(monkeypatch, inf_loss)
+    r = _invoke(["--recipe", "debug", "--steps", "2", "--out", str(tmp_path / "a")])
+    assert r.exit_code == 1 and "step 1: non-finite loss mtp_1 loss (inf)" in r.stderr, r.output
+
+    monkeypatch.undo()
+
+    def nan_init(m):
+        with torch.no_grad():
+            dict(m.named_parameters())["layers.0.ffn.gate.weight"][0, 0] = float("nan")
+    _diverge(monkeypatch, nan_init)
+    r = _invoke(["--recipe", "debug", "--steps", "2", "--out", str(tmp_path / "b")])
+    assert r.exit_code == 1 and "step 0: non-finite parameter layers.0.ffn.gate.weight" in r.stderr, r.output
+
+    from dsv4.harness import optim
+    monkeypatch.undo()
+    real_step = optim.DSv4Optimizer.step
+
+    def step_then_poison(self):                                        # the update itself makes a weight Inf
+        real_step(self)
+        with torch.no_grad():
+            self.adamw.param_groups[0]["params"][0].view(-1)[0] = float("inf")
+    monkeypatch.setattr(optim.DSv4Optimizer, "step", step_then_poison)
+    r = _invoke(["--recipe", "debug", "--steps", "2", "--out", str(tmp_path / "c"), "--json"])
+    assert r.exit_code == 1 and "step 1: non-finite parameter" in r.stderr and "(inf)" in r.stderr, r.output
+    assert _strict(r.stdout)["what"] == "parameter"
+
+
+def test_json_is_strict():
+    from dsv4.harness.goldens import json_safe
+    doc = json_safe({"a": float("nan"), "b": [float("inf"), -float("inf"), 1.5], "c": (2,)})
+    assert json.dumps(doc, allow_nan=False) == '{"a": "nan", "b": ["inf", "-inf", 1.5], "c": [2]}'
+
+
+def test_resume_with_steps_not_beyond_the_checkpoint_is_refused(tmp_path):
+    A = tmp_path / "A"
+    _run(["--recipe", "debug", "--steps", "3", "--out", str(A), "--json"])
+    for steps in ("3", "2"):
+        r = _invoke(["--recipe", "debug", "--steps", steps, "--out", str(tmp_path / "B"), "--resume", str(A)])
+        assert r.exit_code == 2 and f"--steps {steps} <= step 3 of checkpoint" in r.stderr, r.output
+    assert not (tmp_path / "B" / "checkpoints").exists()
+
+
+def test_out_holding_another_run_is_refused_unless_overwrite(tmp_path):
+    A = tmp_path / "A"
+    _run(["--recipe", "debug", "--steps", "3", "--out", str(A), "--json"])
+    r = _invoke(["--recipe", "debug", "--steps", "2", "--out", str(A)])
+    assert r.exit_code == 2 and "already holds a run" in r.stderr and "--overwrite" in r.stderr, r.output
+    assert [h["step"] for h in _hist(A)] == [1, 2, 3]                  # untouched
+    _run(["--recipe", "debug", "--steps", "2", "--out", str(A), "--overwrite", "--json"])
+    assert [h["step"] for h in _hist(A)] == [1, 2]
+    assert sorted(os.listdir(A / "checkpoints")) == ["latest", "step_000002"]   # the old run's step 3 is gone
+
+
+def test_resume_in_place_does_not_duplicate_metrics(tmp_path):
+    A = tmp_path / "A"
+    _run(["--recipe", "debug", "--steps", "4", "--save-interval", "2", "--out", str(A), "--json"])
+    first = _hist(A)
+    _run(["--recipe", "debug", "--steps", "4", "--out", str(A), "--resume", str(A / "checkpoints" / "step_000002"),
+          "--json"])
+    again = _hist(A)
+    assert [h["step"] for h in again] == [1, 2, 3, 4]
+    for k in EXACT:
+        assert [h[k] for h in again] == [h[k] for h in first], k
+
+
+def test_text_not_utf8_is_refused_naming_file_and_offset(tmp_path):
+    f = tmp_path / "latin1.txt"
+    f.write_bytes(("the quick brown fox jumps over the lazy dog\n" * 20).encode() + "café\n".encode("latin-1"))
+    r = _invoke(["--recipe", "debug", "--steps", "2", "--text", str(f), "--out", str(tmp_path / "a")])
+    assert r.exit_code == 2 and f"{f}: not UTF-8 at byte offset {20 * 44 + 3}" in r.stderr, r.output
+    a = _run(["--recipe", "debug", "--steps", "2", "--text", str(f), "--errors", "replace",
+              "--out", str(tmp_path / "b"), "--json"])
+    assert len(a["lm loss"]) == 2
+
+
+def test_every_run_is_checkpointed_and_converts(tmp_path):
+    from dsv4.harness.convert_cli import convert_cmd
+    from dsv4.harness.goldens import config_hash
+    from dsv4.harness.train import RECIPES
+    from dsv4.model.convert import from_hf, load_official
+    A = tmp_path / "A"
+    _run(["--recipe", "debug", "--steps", "2", "--out", str(A), "--json"])   # no --save-interval
+    assert open(A / "checkpoints" / "latest").read() == "step_000002"
+    m, _, _, meta = ck.load_checkpoint(str(A))
+    assert meta["model_config"]["hidden_size"] == 64
+    for fmt, load in (("hf", from_hf), ("official", load_official)):
+        r = CliRunner().invoke(convert_cmd, [str(A), str(tmp_path / fmt), "--to", fmt, "--json"])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["from"] == "train"
+        sd = load(str(tmp_path / fmt)).state_dict()
+        assert set(sd) == set(m) and all(torch.equal(sd[k], m[k]) for k in m), fmt
+    prov = json.load(open(A / "provenance.json"))                      # what `dsv4 compare` reports show
+    assert prov["seed"] == 1234 and prov["platform"] == "cpu" and prov["git_sha"]
+    assert prov["config_hash"] == config_hash(json.loads(json.dumps(
+        {**vars(RECIPES["debug"]), "steps": 2})))
+    assert json.load(open(A / "run.json"))["provenance"] == prov
