@@ -39,12 +39,16 @@ def one_line_exit_2(r, *needles):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A 2-step debug run (final checkpoint) and its HF export."""
+    """A 2-step debug run with its checkpoint, and a debug model's HF export."""
+    from dsv4.model.config import get_config
+    from dsv4.model.convert import to_hf
+    from dsv4.model.model import DSv4Model
     d = tmp_path_factory.mktemp("bad_input")
-    r = CliRunner().invoke(train_cmd, ["--recipe", "debug", "--steps", "2", "--out", str(d / "run"), "--json"])
+    r = CliRunner().invoke(train_cmd, ["--recipe", "debug", "--steps", "2", "--save-interval", "2",
+                                       "--out", str(d / "run"), "--json"])
     assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(convert_cmd, [str(d / "run"), str(d / "hf"), "--to", "hf"])
-    assert r.exit_code == 0, r.output
+    torch.manual_seed(0)
+    to_hf(DSv4Model(get_config("debug")), str(d / "hf"))
     return d
 
 
