@@ -370,7 +370,8 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
     G.atomic_write_json(os.path.join(out, "run.json"), run_info)
 
     from torch.utils.tensorboard import SummaryWriter
-    tb = SummaryWriter(log_dir=os.path.join(out, "tensorboard"))
+    # resuming in place: TensorBoard readers drop the old events after the checkpoint's step (no duplicate steps)
+    tb = SummaryWriter(log_dir=os.path.join(out, "tensorboard"), purge_step=step0 + 1 if resume else None)
     from tqdm import tqdm
     bar = tqdm(total=recipe.steps, initial=step0, file=sys.stderr, disable=not progress, desc="train",
                dynamic_ncols=True)

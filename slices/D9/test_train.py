@@ -310,6 +310,10 @@ def test_resume_in_place_does_not_duplicate_metrics(tmp_path):
     assert [h["step"] for h in again] == [1, 2, 3, 4]
     for k in EXACT:
         assert [h[k] for h in again] == [h[k] for h in first], k
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ea = EventAccumulator(str(A / "tensorboard"))
+    ea.Reload()
+    assert [e.step for e in ea.Scalars("lm loss")] == [1, 2, 3, 4]    # TensorBoard purges the replayed steps
 
 
 def test_text_not_utf8_is_refused_naming_file_and_offset(tmp_path):
@@ -343,3 +347,6 @@ def test_every_run_is_checkpointed_and_converts(tmp_path):
     assert prov["config_hash"] == config_hash(json.loads(json.dumps(
         {**vars(RECIPES["debug"]), "steps": 2})))
     assert json.load(open(A / "run.json"))["provenance"] == prov
+    from dsv4.harness.report import compare_files
+    doc = compare_files(A, A / "golden_values.json", "deterministic", ["lm loss"])
+    assert doc["run_provenance"]["seed"] == 1234                          # `dsv4 compare` reports carry it
