@@ -251,3 +251,14 @@ def test_train_triton_backend_without_cuda(tmp_path, monkeypatch):
     r = CliRunner().invoke(train_cmd, ["--recipe", "debug", "--steps", "2", "--backend", "triton",
                                        "--out", str(tmp_path / "o")])
     one_line_exit_2(r, "train.backend: triton needs a CUDA GPU")
+
+
+def test_full_disk_in_any_command_is_one_line(tmp_path, monkeypatch):
+    import pathlib
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    out = tmp_path / "g.dot"
+    r = CliRunner().invoke(main, ["graph", "--format", "dot", "--out", str(out)])
+    one_line_exit_2(r, "No space left on device", str(out))
