@@ -254,11 +254,11 @@ def test_train_triton_backend_without_cuda(tmp_path, monkeypatch):
 
 
 def test_full_disk_in_any_command_is_one_line(tmp_path, monkeypatch):
-    import pathlib
+    from dsv4.harness import goldens as G
 
-    def full(self, *a, **k):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
-    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    def full(path, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    monkeypatch.setattr(G, "atomic_write_text", full)
     out = tmp_path / "g.dot"
     r = CliRunner().invoke(main, ["graph", "--format", "dot", "--out", str(out)])
     one_line_exit_2(r, "No space left on device", str(out))
