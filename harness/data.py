@@ -91,7 +91,8 @@ def text_documents(paths: list[str], errors: str = "strict") -> list[str]:
         except UnicodeDecodeError as e:
             raise DataError(f"corpus: {p}: not UTF-8 at byte offset {e.start} ({e.reason}: "
                             f"{raw[e.start:e.start + 4]!r}); re-encode it or pass --errors replace") from None
-        docs += [d.strip("\n") + "\n" for d in text.replace("\r\n", "\n").replace("\r", "\n").split("\n\n\n") if d.strip()]
+        text = text.replace("\r\n", "\n").replace("\r", "\n")             # as text-mode reading did
+        docs += [d.strip("\n") + "\n" for d in text.split("\n\n\n") if d.strip()]
     if not docs:
         raise DataError("corpus: the given files hold no text")
     return docs

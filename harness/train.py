@@ -408,7 +408,8 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
                 cup = torch.from_numpy(pb["cu_seqlens_padded"]).to(device)
                 lens = np.diff(pb["cu_seqlens"])
                 real_tokens = int(lens.sum())
-                step_flops = sum(int(n) * _flops_cached(cfg, int(n)) for n in lens)   # per document: Megatron's sum L_i^2
+                # per document: Megatron's sum L_i^2
+                step_flops = sum(int(n) * _flops_cached(cfg, int(n)) for n in lens)
                 fwd = lambda: packed_model_forward(model, x, y, cu, cup)          # noqa: E731
             else:
                 x, y = samples.batch((step - 1) * recipe.batch_size, recipe.batch_size)
