@@ -4,13 +4,17 @@ Layout of `<out>/checkpoints/`:
     step_000012/model.safetensors      model state_dict (parameters and buffers: MoE expert biases, hash table)
     step_000012/optim.safetensors      every tensor of the optimiser state (FP32 moments, Muon momentum, steps)
     step_000012/rng.safetensors        torch CPU (and CUDA) RNG states as uint8 tensors
-    step_000012/meta.json              step, data position, optimiser non-tensor state, metrics so far, recipe
+    step_000012/meta.json              step, data position, optimiser non-tensor state, metrics so far, recipe,
+                                       model_config (DSv4Config: `dsv4 convert` rebuilds the model from it)
     latest                             text: the name of the newest complete step directory
 
 Atomicity: a checkpoint is written into `.tmp-step_XXXXXX-<pid>/` (each file fsync'ed), the directory is
 renamed into place with `os.replace`, then `latest` is replaced atomically (write `latest.tmp`, fsync,
 `os.replace`). A process killed at any moment leaves either the previous `latest` (still complete) or the new
-one; a half-written temp directory is ignored and cleaned on the next save.
+one; a half-written temp directory is ignored and cleaned on the next save. A write that fails (a full disk)
+removes its temp directory and raises CheckpointError (one line naming the checkpoint, exit 2 in the CLI).
+Reading refuses, in one line naming the file and tensor or field, a truncated or tampered safetensors file,
+a pickle file (never unpickled), missing / extra optimiser tensors and meta.json fields of the wrong type.
 """
 from __future__ import annotations
 
