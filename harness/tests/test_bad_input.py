@@ -48,7 +48,7 @@ def run(tmp_path_factory):
                                        "--out", str(d / "run"), "--json"])
     assert r.exit_code == 0, r.output
     torch.manual_seed(0)
-    to_hf(DSv4Model(get_config("debug")), str(d / "hf"))
+    to_hf(DSv4Model(get_config("debug", shared_expert_clamp=True)), str(d / "hf"))
     return d
 
 
