@@ -3,7 +3,12 @@ import torch
 
 from dsv4.harness.cases import golden_case
 
+# Tolerances: the cross-host spread stored in goldens/cpu/_spread/D1.json (`dsv4 goldens spread --slice D1`,
+# worst over harness/numerics.py's simulated hosts and the host that made the golden) x the margin named.
+# attention outputs: worst use 0.081 of TOL (CSA, ATEN default + MKL_CBWR=COMPATIBLE) -> 12x.
+# compressor pooling: worst abs 6.0e-7 (CSA) / rel 3.9e-5 (HCA, ATEN default) used 0.33 of (1e-6, 1e-5) -> POOL (11x).
 TOL = (1e-5, 1e-4)
+POOL = (3e-6, 1e-4)
 
 
 def _layer(layer_idx, **over):
@@ -48,7 +53,7 @@ def attention_hca_debug():
         return {"out": attn(h)}
 
 
-@golden_case("compress_pool_debug", tol={"csa": (1e-6, 1e-5), "hca": (1e-6, 1e-5)})
+@golden_case("compress_pool_debug", tol={"csa": POOL, "hca": POOL})
 def compress_pool_debug():
     """compress_pool on seeded [13, 2, .] inputs: CSA overlap (m = 4, D = 6) and HCA (m = 4, D = 6)."""
     from dsv4.kernels.compressor import compress_pool

@@ -5,6 +5,10 @@ import torch
 from dsv4.harness.cases import golden_case
 
 
+# Tolerances: the cross-host spread stored in goldens/cpu/_spread/D4.json (`dsv4 goldens spread --slice D4`,
+# worst over harness/numerics.py's simulated hosts and the host that made the golden) x the margin named.
+# dense model: losses identical on every host, logits use 0.017 of (1e-5, 1e-4) (60x); HF round trip: logits
+# worst abs 2.8e-7 use 0.23 of (1e-6, 1e-5) -> 4x; its `bit_exact` flag is exact.
 @golden_case("hybrid_pattern_parse")
 def hybrid_pattern_parse():
     """`WEC-|H-C-/W-` on the debug sizes: ratios, MoE flags, stage split; Flash/Pro parameter counts."""

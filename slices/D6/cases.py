@@ -3,7 +3,12 @@ import torch
 
 from dsv4.harness.cases import golden_case
 
+# Tolerances: the cross-host spread stored in goldens/cpu/_spread/D6.json (`dsv4 goldens spread --slice D6`,
+# worst over harness/numerics.py's simulated hosts and the host that made the golden) x the margin named.
+# packed attention out (|out| ~ 8): worst abs 7.6e-6 (CSA; ATEN default) used 0.31 of (1e-5, 1e-4) -> OUT atol 5e-5
+# (10x at |out| 8); model logits use 0.023 of TOL (43x), loss identical; indexer loss rel 2.3e-7 -> (0, 3e-6) 13x.
 TOL = (1e-5, 1e-4)
+OUT = (5e-5, 1e-4)
 CU, CUP = [0, 5, 24, 27, 64], [0, 8, 28, 31, 68]     # odd documents, padded slots
 
 
@@ -28,14 +33,14 @@ def _packed_attention(layer):
     return attn, out
 
 
-@golden_case("thd_attention_csa_packed", tol={"out": TOL})
+@golden_case("thd_attention_csa_packed", tol={"out": OUT})
 def thd_attention_csa_packed():
     """CSA layer (1) on 4 padded documents [5, 19, 3, 37] (T = 68): output and selected entries (exact)."""
     attn, out = _packed_attention(1)
     return {"out": out, "selected": attn.last_topk}
 
 
-@golden_case("thd_attention_hca_packed", tol={"out": TOL})
+@golden_case("thd_attention_hca_packed", tol={"out": OUT})
 def thd_attention_hca_packed():
     """HCA layer (2, m' = 16) on the same packed stream."""
     return {"out": _packed_attention(2)[1]}
@@ -62,7 +67,7 @@ def thd_model_packed():
     return {"logits": out.logits[..., :16], "mtp_logits": out.mtp_logits[..., :16], "loss": out.loss.item()}
 
 
-@golden_case("thd_indexer_loss_packed", tol={"indexer_loss": (1e-7, 1e-4)})
+@golden_case("thd_indexer_loss_packed", tol={"indexer_loss": (0.0, 3e-6)})
 def thd_indexer_loss_packed():
     """Training mode, CSA layer, window 12, sparse indexer loss on the packed stream (document-local teacher)."""
     from dsv4.model import thd

@@ -4,7 +4,10 @@ import torch
 
 from dsv4.harness.cases import golden_case
 
-TOL = (1e-5, 1e-4)
+# Tolerances: the cross-host spread stored in goldens/cpu/_spread/D8.json (`dsv4 goldens spread --slice D8`,
+# worst over harness/numerics.py's simulated hosts and the host that made the golden) x the margin named.
+# CP=4 attention out (|out| ~ 8): worst abs 7.6e-6 (CSA, ATEN default) used 0.30 of (1e-5, 1e-4) -> atol 5e-5 (10x).
+TOL = (5e-5, 1e-4)
 
 
 def _run(layer, cp):

@@ -33,8 +33,10 @@ def _curve(recipe: str, steps: int | None = None, dtype: str | None = None, mega
 # fp64, 12 steps: worst |d lm| 4.0e-7 (ATEN_CPU_CAPABILITY=default; training at lr 1e-2 amplifies the last-ulp
 # differences of fp32-initialised weights ~500x per step); worst relative 3.0e-7 (mtp_1 loss). rtol 4e-6 = 13x it.
 FP64_TOL = (0.0, 4e-6)
-# fp32, 6 steps: worst relative spread 3.6e-5 (mtp_1 loss, ATEN_CPU_CAPABILITY=default); rtol 4e-4 = 11x it.
+# fp32, 6 steps: worst relative spread 3.6e-5 in mtp_1 loss (ATEN_CPU_CAPABILITY=default) -> rtol 4e-4 (11x);
+# lm loss 3.7e-7 (MKL_CBWR=COMPATIBLE) -> rtol 4e-6 (11x).
 FP32_TOL = (0.0, 4e-4)
+FP32_LM_TOL = (0.0, 4e-6)
 
 
 @golden_case("debug_loss_curve_fp64", tol={k: FP64_TOL for k in ("lm_loss", "mtp_1_loss", "lm_loss_first",
@@ -45,8 +47,8 @@ def debug_loss_curve_fp64():
     return _curve("debug", dtype="fp64")
 
 
-@golden_case("debug_loss_curve", tol={k: FP32_TOL for k in ("lm_loss", "mtp_1_loss", "lm_loss_first",
-                                                            "lm_loss_last")})
+@golden_case("debug_loss_curve", tol={"mtp_1_loss": FP32_TOL, **{k: FP32_LM_TOL for k in ("lm_loss", "lm_loss_first",
+                                                                                       "lm_loss_last")}})
 def debug_loss_curve():
     """`dsv4 train --recipe debug --steps 6` (fp32, CPU): a short fp32 curve, approximate across hosts."""
     return _curve("debug", steps=6)
@@ -78,8 +80,9 @@ def flops_4096():
     return out
 
 
-@golden_case("hybrid_ns_bounds", tol={"smin": (1e-6, 0), "smax": (1e-6, 0), "smin8": (1e-6, 0),
-                                      "smax8": (1e-6, 0)})
+# fp64 Newton-Schulz: worst spread 6.7e-16 (3 ulp) -> atol 1e-13 (150x); was 1e-6.
+@golden_case("hybrid_ns_bounds", tol={"smin": (1e-13, 0), "smax": (1e-13, 0), "smin8": (1e-13, 0),
+                                      "smax8": (1e-13, 0)})
 def hybrid_ns_bounds():
     """Singular-value range of the hybrid Newton–Schulz output (fp64) of a seeded 96x160 Gaussian matrix."""
     from dsv4.harness.optim import NS_STEPS, hybrid_newton_schulz

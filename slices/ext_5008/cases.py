@@ -4,6 +4,7 @@ import torch
 from dsv4.harness.cases import golden_case
 
 
+# Exact floats: padding copies values (no arithmetic), identical on every simulated host (goldens/cpu/_spread/ext_5008.json).
 @golden_case("pad_routed_tokens_5_to_8", tol={"x": (0.0, 0.0), "w": (0.0, 0.0)})
 def pad_routed_tokens_5_to_8():
     from dsv4.model.ep_dispatch import pad_routed_tokens
