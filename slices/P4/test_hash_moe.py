@@ -38,7 +38,7 @@ def test_hash_routing_uses_table_exactly_and_bias_free_weights():
     s = torch.sqrt(F.softplus(x[0] @ moe.gate.weight.t()))
     ref = s.gather(1, idx)
     ref = ref / ref.sum(-1, keepdim=True) * CFG.routed_scaling_factor
-    # fp32: measured bit-equal on the 8 simulated hosts of harness/numerics.py; rtol 1e-6 ~ 8 fp32 ulps
+    # fp32: measured bit-equal on the 11 simulated hosts of harness/numerics.py; rtol 1e-6 ~ 8 fp32 ulps
     torch.testing.assert_close(w, ref, rtol=1e-6, atol=1e-7)
 
 
@@ -122,7 +122,7 @@ def test_seq_aux_loss_vs_oracle():
             f = E / (K * S) * sum(int(e in idx[b, t].tolist()) for t in range(S))
             P = sum((scores[b, t, e] / scores[b, t].sum()).item() for t in range(S)) / S
             total += f * P
-    # fp32 loss vs a Python-float loop: measured 1.2e-7 (8 hosts), x83 of atol + rtol*|ref|
+    # fp32 loss vs a Python-float loop: measured 1.2e-7 (11 hosts), x83 of atol + rtol*|ref|
     torch.testing.assert_close(seq_aux_loss(scores, idx), torch.tensor(total / B), rtol=1e-5, atol=1e-7)
     moe = MoE(CFG, 1).train()
     y = moe(_x(), None)

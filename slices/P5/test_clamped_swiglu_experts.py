@@ -47,7 +47,7 @@ def test_routed_experts_and_unclamped_shared_vs_oracle():
         f = CFG.moe_intermediate_size
         pre = torch.einsum("efd,td->tef", moe.experts.w13, x[0])
         assert (pre[..., :f] > CFG.swiglu_limit).any() and (pre[..., f:].abs() > CFG.swiglu_limit).any()
-    # fp64 (|y| <= 3.6): measured worst 1.3e-15 over the 8 simulated hosts of harness/numerics.py, x75 (was rtol 1e-10,
+    # fp64 (|y| <= 3.6): measured worst 1.3e-15 over the 11 simulated hosts of harness/numerics.py, x75 (was rtol 1e-10,
     # atol 1e-12: > 3000 x the worst)
     torch.testing.assert_close(y.detach(), ref, rtol=0, atol=1e-13)
 
@@ -64,7 +64,7 @@ def test_shared_expert_clamp_switch():
     assert off.shared_experts.limit is None and on.shared_experts.limit == CFG.swiglu_limit
     x = torch.randn(1, 11, CFG.hidden_size, dtype=torch.float64)
     with torch.no_grad():
-        # fp64, measured worst 2.0e-17 (clamped, |y| <= 0.019) and 7.1e-15 (unclamped) over the 8 hosts: x50 and x14
+        # fp64, measured worst 2.0e-17 (clamped, |y| <= 0.019) and 7.1e-15 (unclamped) over the 11 hosts: x50 and x14
         # (were rtol 1e-10 / atol 1e-12)
         torch.testing.assert_close(on(x)[0], _oracle_moe(on, x[0], None, CFG.swiglu_limit), rtol=0, atol=1e-15)
         torch.testing.assert_close(off(x)[0], _oracle_moe(off, x[0], None, None), rtol=0, atol=1e-13)
