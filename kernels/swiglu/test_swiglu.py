@@ -27,11 +27,11 @@ def test_triton_matches_naive(shape, limit):
     dy = torch.randn_like(y)
     dg, du = torch.autograd.grad(y, (g, u), dy)
     rg, ru = torch.autograd.grad(ref, (g, u), dy)
-    if dt == torch.float32:
+    if dt == torch.float32:                         # interpreter, fp32: measured <= 1/52 of atol+rtol*|ref| (11 hosts)
         assert_close("y", y, ref, 1e-5, 1e-5)
         assert_close("dgate", dg, rg, 1e-5, 1e-5)
         assert_close("dup", du, ru, 1e-5, 1e-5)
-    else:                                           # bf16 storage, fp32 math in both: rounding only
+    else:                                           # bf16 storage, fp32 math in both: rounding only (GPU, unmeasured)
         assert_rel("y", y, ref, 1e-2)
         assert_rel("dgate", dg, rg, 1e-2)
         assert_rel("dup", du, ru, 1e-2)
@@ -44,4 +44,5 @@ def test_gradcheck_fp64():
     gen = torch.Generator().manual_seed(1)
     g = (torch.randn(2, 7, generator=gen, dtype=torch.float64) * 4).requires_grad_()
     u = (torch.randn(2, 7, generator=gen, dtype=torch.float64) * 4).requires_grad_()
+    # torch's default fp64 gradcheck tolerances (atol 1e-5, rtol 1e-3); measured |analytic - numeric| <= 4.8e-10
     assert torch.autograd.gradcheck(lambda a, b: clamped_swiglu(a, b, 3.0, backend="triton"), (g, u))

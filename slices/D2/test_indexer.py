@@ -47,6 +47,7 @@ def test_indexer_scores_vs_loop():
                     continue
                 ref = sum(float(w[t, b, h]) / math.sqrt(nI) * max(float(q[t, b, h].double() @ k[j, b].double()), 0.0)
                           / math.sqrt(cI) for h in range(nI))
+                # measured worst 4.5e-7 (11 simulated hosts), x22
                 assert abs(got[t, b, j].item() - ref) <= 1e-5, (t, b, j)
 
 
@@ -113,9 +114,11 @@ def test_indexer_loss_matches_oracle(teacher, mode):
     h = torch.randn(2, S, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
     y = attn(h)
     ref = oracle_layer(cfg, CSA, attn.state_dict(), h, dense=(mode == "dense"))
-    assert (y.detach().double() - ref["out"]).abs().max().item() <= 2e-5   # dense mode attends all entries
+    # dense mode attends all entries; fp32 vs fp64 oracle: measured 9.1e-7 (ATEN default; 11 hosts), x22
+    assert (y.detach().double() - ref["out"]).abs().max().item() <= 2e-5
     want = oracle_loss(ref, teacher, 0.5)
     got = attn.indexer_loss.item()
+    # measured worst 1.3e-8 (ATEN default; 11 hosts) against a bound of 8.8e-6, x600
     assert abs(got - want) <= 1e-4 * abs(want) + 1e-7, f"{teacher}/{mode}: {got} vs oracle {want}"
 
 
@@ -130,7 +133,8 @@ def test_joint_and_renormalized_teachers_differ_and_dense_equals_sparse_when_k_c
             losses[teacher, mode, k] = (attn.indexer_loss.item(), y.detach())
     for t in ("joint", "renormalized"):
         assert losses[t, "sparse", 4][0] != pytest.approx(losses[t, "dense", 4][0], rel=1e-3)
-        assert losses[t, "sparse", 64][0] == pytest.approx(losses[t, "dense", 4][0], rel=1e-6)   # k >= T: same set
+        # k >= T: same set; fp32 losses: measured rel 2.3e-7 (11 hosts), x4; the allclose below: bit-equal
+        assert losses[t, "sparse", 64][0] == pytest.approx(losses[t, "dense", 4][0], rel=1e-6)
         assert torch.allclose(losses[t, "sparse", 64][1], losses[t, "dense", 4][1], atol=1e-6)
     assert losses["joint", "sparse", 4][0] != pytest.approx(losses["renormalized", "sparse", 4][0], rel=1e-3)
 
@@ -152,7 +156,7 @@ def test_loss_none_in_eval_off_and_other_layers_and_scales_with_coeff():
         cfg, attn = make_csa(seed=0, indexer_loss_coeff=coeff)
         attn.train(); attn(h)
         vals.append(attn.indexer_loss.item())
-    assert vals[1] == pytest.approx(3 * vals[0], rel=1e-6) and vals[0] > 0
+    assert vals[1] == pytest.approx(3 * vals[0], rel=1e-6) and vals[0] > 0   # measured rel 3.9e-8 (11 hosts), x26
 
 
 # ------------------------------------------------------------------------------------------- gradients
@@ -237,6 +241,7 @@ def test_dense_mode_attends_all_entries_in_eval_too():
     with torch.no_grad():
         y = attn(h)
     assert attn.indexer_loss is None and attn.last_topk.shape == (1, 37, 4)
+    # measured 9.2e-7 (ATEN default; 11 hosts), x22
     assert (y.double() - oracle_layer(cfg, CSA, attn.state_dict(), h, dense=True)["out"]).abs().max().item() <= 2e-5
     assert (y.double() - oracle_layer(cfg, CSA, attn.state_dict(), h, dense=False)["out"]).abs().max().item() > 1e-3
 
@@ -253,6 +258,7 @@ def test_gradcheck_indexer_kl_loss():
     target = torch.rand(S, B, T, generator=g, dtype=torch.float64).masked_fill(~cand, 0.0)
     target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
     scores.requires_grad_()
+    # torch's default fp64 gradcheck tolerances (atol 1e-5, rtol 1e-3); measured |analytic - numeric| 4.9e-11
     assert torch.autograd.gradcheck(lambda s: indexer_kl_loss(s, target, cand, chunk=3), (scores,))
     kls = []
     for t in range(S):
@@ -261,4 +267,5 @@ def test_gradcheck_indexer_kl_loss():
             if js:
                 p, lq = target[t, b, js], torch.log_softmax(scores[t, b, js].detach(), 0)
                 kls.append((torch.xlogy(p, p) - p * lq).sum())
-    assert abs(indexer_kl_loss(scores, target, cand).item() - torch.stack(kls).mean().item()) <= 1e-12
+    # fp64: measured 5.6e-17 on all 11 hosts, x36 (was 1e-12)
+    assert abs(indexer_kl_loss(scores, target, cand).item() - torch.stack(kls).mean().item()) <= 2e-15

@@ -15,6 +15,10 @@ from dsv4.model.attention import DSv4Attention
 from dsv4.model.config import get_config
 from dsv4.slices.D8._workers import cp_attention_worker, randomize, spawn, stream_inputs
 
+# the slice's stated bound (fp32 <= 1e-5, docstring); measured worst
+# over the 11 simulated hosts of harness/numerics.py (native, ATEN default/avx2/avx512, MKL_CBWR=COMPATIBLE/AVX2,
+# MKL_ENABLE_INSTRUCTIONS=SSE4_2/AVX2, DNNL_MAX_CPU_ISA=AVX2, 2 combinations):
+# out 3.8e-6 (x2.6), input grad 6.0e-6 (x1.7, both MKL_CBWR=COMPATIBLE: thin), param grads 1.1e-6 (x9)
 TOL = 1e-5
 
 

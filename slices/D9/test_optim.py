@@ -25,15 +25,15 @@ def test_hybrid_ns_singular_values(shape):
     assert 0.6 < s8.min() < 0.9 and 1.05 < s8.max() < 1.2
     # fp32 gives the same bound; the singular vectors are those of G (polar factor U V^T)
     s32 = _svals(hybrid_newton_schulz(G.float()))
-    assert (s32 - 1).abs().max() < 1e-3
+    assert (s32 - 1).abs().max() < 1e-3                                  # algorithmic; measured 5.0e-4 (11 hosts)
     U, _, Vh = torch.linalg.svd(G, full_matrices=False)
-    assert (hybrid_newton_schulz(G, dtype=torch.float64) - U @ Vh).abs().max() < 2e-3
+    assert (hybrid_newton_schulz(G, dtype=torch.float64) - U @ Vh).abs().max() < 2e-3   # algorithmic; 2e-4 measured
 
 
 def test_hybrid_ns_bf16_and_ill_conditioned_bounds():
     G = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
     s = _svals(hybrid_newton_schulz(G, dtype=torch.bfloat16))
-    assert (s - 1).abs().max() < 1e-2                                    # measured 6.1e-3 in bf16
+    assert (s - 1).abs().max() < 1e-2                                    # measured 6.2-6.3e-3 in bf16 (11 hosts)
     # directions with sigma_i / ||G||_F below ~1e-5 are NOT driven to 1 in 10 steps (measured 0.42 at 5.5e-6)
     U, _, Vh = torch.linalg.svd(torch.randn(64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
     S = torch.logspace(0, -5, 64, dtype=torch.float64)
@@ -62,10 +62,11 @@ def test_muon_step_matches_oracle():
         M = 0.95 * M + G
         O = ns(0.95 * M + G) * math.sqrt(20) * 0.18
         W = W * (1 - 0.05 * 0.1) - 0.05 * O
-    assert (p.detach() - W).abs().max() < 1e-7                          # the code adds eps=1e-7 to the norm
+    # the code adds eps=1e-7 to the norm; measured 4.9e-9 (11 hosts), x20
+    assert (p.detach() - W).abs().max() < 1e-7
     # update RMS is 0.18: 12 unit singular values -> ||O'||_F^2 = 12; x sqrt(20) * 0.18 over 240 entries
     O = hybrid_newton_schulz(grads[0]) * math.sqrt(20) * 0.18
-    assert abs(O.pow(2).mean().sqrt().item() - 0.18) < 0.18 * 1e-3
+    assert abs(O.pow(2).mean().sqrt().item() - 0.18) < 0.18 * 1e-3    # NS singular values within 1e-3: 4.7e-5 measured
 
 
 def test_parameter_groups_on_the_model():

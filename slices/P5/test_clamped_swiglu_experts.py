@@ -47,7 +47,9 @@ def test_routed_experts_and_unclamped_shared_vs_oracle():
         f = CFG.moe_intermediate_size
         pre = torch.einsum("efd,td->tef", moe.experts.w13, x[0])
         assert (pre[..., :f] > CFG.swiglu_limit).any() and (pre[..., f:].abs() > CFG.swiglu_limit).any()
-    torch.testing.assert_close(y.detach(), ref, rtol=1e-10, atol=1e-12)
+    # fp64 (|y| <= 3.6): measured worst 1.3e-15 over the 11 simulated hosts of harness/numerics.py, x75 (was rtol 1e-10,
+    # atol 1e-12: > 3000 x the worst)
+    torch.testing.assert_close(y.detach(), ref, rtol=0, atol=1e-13)
 
 
 def test_shared_expert_clamp_switch():
@@ -62,8 +64,10 @@ def test_shared_expert_clamp_switch():
     assert off.shared_experts.limit is None and on.shared_experts.limit == CFG.swiglu_limit
     x = torch.randn(1, 11, CFG.hidden_size, dtype=torch.float64)
     with torch.no_grad():
-        torch.testing.assert_close(on(x)[0], _oracle_moe(on, x[0], None, CFG.swiglu_limit), rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(off(x)[0], _oracle_moe(off, x[0], None, None), rtol=1e-10, atol=1e-12)
+        # fp64, measured worst 2.0e-17 (clamped, |y| <= 0.019) and 7.1e-15 (unclamped) over the 11 hosts: x50 and x14
+        # (were rtol 1e-10 / atol 1e-12)
+        torch.testing.assert_close(on(x)[0], _oracle_moe(on, x[0], None, CFG.swiglu_limit), rtol=0, atol=1e-15)
+        torch.testing.assert_close(off(x)[0], _oracle_moe(off, x[0], None, None), rtol=0, atol=1e-13)
         assert (on(x) - off(x)).abs().max() > 1e-2
 
 
@@ -87,6 +91,8 @@ def test_gradients_at_clamp_boundaries():
                        silu(L) * 0 + 0 * ds(0.5),    # gate clamped (0.5 > L) and up clamped: zero
                        ds(-0.5) * -L + 0,            # gate passes (no lower clamp), up clamped at -L
                        ds(-L) * -L + silu(-L)])      # both at -L: up boundary passes, gate passes
-    torch.testing.assert_close(g, exp)
+    # fp64, |g| <= 0.37: measured 5.6e-17 on all 11 simulated hosts, x18 (was torch's fp64 default 1e-7)
+    torch.testing.assert_close(g, exp, rtol=0, atol=1e-15)
+    # torch's default fp64 gradcheck tolerances (atol 1e-5, rtol 1e-3); measured |analytic - numeric| <= 2.6e-13
     assert torch.autograd.gradcheck(lambda z: mlp(z), (torch.randn(2, CFG.hidden_size, dtype=torch.float64,
                                                                    requires_grad=True) * 0.01,))

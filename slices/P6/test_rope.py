@@ -58,7 +58,8 @@ def test_rotation_matches_complex_oracle(table):
     ref = oracle_rotate(x, pos, theta, r)
     assert torch.equal(got[:, : c - r], x[:, : c - r])                   # nope dims untouched, bitwise
     err = (got.double() - ref).abs().max().item()
-    assert err <= 5e-5, f"rotation vs complex oracle: {err:.3g}"          # fp32 angles up to 255 rad
+    # fp32 angles up to 255 rad (fp32 ulp at 255 = 1.5e-5 rad): measured 7.6e-6 on all 11 simulated hosts, x6.6
+    assert err <= 5e-5, f"rotation vs complex oracle: {err:.3g}"
 
 
 def test_rotation_sbhd_broadcast_and_2d_positions():
@@ -83,8 +84,9 @@ def test_inverse_undoes_rotation():
     for table in ("main", "compress"):
         inv = inv_freq_for(cfg, table)
         back = apply_rope(apply_rope(x, pos, inv, r), pos, inv, r, inverse=True)
-        assert (back - x).abs().max().item() <= 1e-5
+        assert (back - x).abs().max().item() <= 1e-5                  # measured 4.8e-7 (11 hosts), x21
         # inverse by p == forward by -p
+        # measured bit-equal on all 11 hosts; atol 1e-6 (+ allclose's rtol 1e-5) = a few fp32 ulps of O(1) values
         assert torch.allclose(apply_rope(x, pos, inv, r, inverse=True), apply_rope(x, -pos, inv, r), atol=1e-6)
 
 
@@ -101,7 +103,8 @@ def test_relative_position_property(table):
             qr = apply_rope(q, torch.tensor([p]), inv, r)
             kr = apply_rope(k, torch.tensor([p + delta]), inv, r)
             dots.append((qr * kr).sum().item())
-        assert max(dots) - min(dots) <= 1e-9, (delta, dots)
+        # fp64, |dot| <= 45: measured spread 2.1e-14 (DNNL_MAX_CPU_ISA=AVX2; 11 hosts), x14 (was 1e-9)
+        assert max(dots) - min(dots) <= 3e-13, (delta, dots)
 
 
 def test_bf16_rotation_is_fp32_then_cast_once():
@@ -125,10 +128,12 @@ def test_yarn_inv_freq_vs_formula_flash_and_debug():
                                         rs["original_max_position_embeddings"], rs["beta_fast"], rs["beta_slow"])
         got = inv_freq_for(cfg, "compress")
         assert got.dtype == torch.float32 and got.shape == (cfg.qk_rope_head_dim // 2,)
+        # fp32 table vs fp64 formula: measured worst rel 1.6e-7 (fp32 rounding; 11 hosts), x6
         assert torch.allclose(got.double(), torch.tensor(ref, dtype=torch.float64), rtol=1e-6, atol=0), name
         assert yarn_low_high(cfg) == (low, int(high)), name
         main = inv_freq_for(cfg, "main")
         ref_main = [cfg.rope_theta ** (-2 * i / cfg.qk_rope_head_dim) for i in range(cfg.qk_rope_head_dim // 2)]
+        # measured worst rel 7.0e-8 (11 hosts), x14
         assert torch.allclose(main.double(), torch.tensor(ref_main, dtype=torch.float64), rtol=1e-6, atol=0)
     assert yarn_low_high(get_config("flash")) == (15, 25)                 # spec §5.6
 
@@ -157,6 +162,7 @@ def test_tables_bitwise_equal_to_hf_rope_init():
         cos, sin = rot(x, pos, layer_type="compress")
         ref = apply_rotary_pos_emb(x, cos, sin)
         ours = apply_rope(x.permute(0, 2, 1, 3), pos, inv_freq_for(cfg, "compress"), cfg.qk_rope_head_dim)
+        # measured bit-equal to HF on all 11 hosts; 1e-6 = a few fp32 ulps of O(1) outputs
         assert (ours.permute(0, 2, 1, 3) - ref).abs().max().item() <= 1e-6
 
 

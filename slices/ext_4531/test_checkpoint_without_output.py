@@ -38,6 +38,7 @@ def test_primitive_grads_equal_plain_and_output_not_kept():
     z.sum().backward()
     assert len(calls) == 2                                                        # one recompute, in backward
     assert torch.equal(z.sum().detach(), loss_ref.detach())
+    # fp64, measured bit-equal on all 11 simulated hosts; 1e-14 = a few dozen fp64 ulps of O(1) grads
     torch.testing.assert_close(x.grad, gx_ref, rtol=0, atol=1e-14)
     torch.testing.assert_close(w.grad, gw_ref, rtol=0, atol=1e-14)
 
@@ -70,10 +71,11 @@ def test_block_mhc_recompute_matches_plain_grads():
         outs.append((y.detach(), X.grad, {n: p.grad.clone() for n, p in blk.named_parameters() if p.grad is not None}))
     (y0, gx0, gp0), (y1, gx1, gp1) = outs
     torch.testing.assert_close(y1, y0, rtol=0, atol=0)
+    # fp32 grads measured bit-equal on all 11 simulated hosts; rtol 1e-6 ~ 8 fp32 ulps (parameter grads: was 1e-5)
     torch.testing.assert_close(gx1, gx0, rtol=1e-6, atol=1e-7)
     assert gp0.keys() == gp1.keys() and "hc_attn_fn" in gp1 and "hc_ffn_base" in gp1
     for n in gp0:
-        torch.testing.assert_close(gp1[n], gp0[n], rtol=1e-5, atol=1e-7, msg=n)
+        torch.testing.assert_close(gp1[n], gp0[n], rtol=1e-6, atol=1e-7, msg=n)
 
 
 def test_block_mhc_recompute_keeps_no_collapsed_input():
