@@ -18,8 +18,10 @@ IGNORE = -100
 # the slice's stated fp32 bound; measured worst
 # over the 11 simulated hosts of harness/numerics.py (native, ATEN default/avx2/avx512, MKL_CBWR=COMPATIBLE/AVX2,
 # MKL_ENABLE_INSTRUCTIONS=SSE4_2/AVX2, DNNL_MAX_CPU_ISA=AVX2, 2 combinations):
-# logits 7.0e-7 (x14), loss 9.5e-7 (x10), gradients 3.7e-6 (ATEN default+CBWR+SSE41, x2.7)
+# logits 7.0e-7 (x14), loss 9.5e-7 (x10), gradients 3.7e-6 (ATEN default+CBWR+SSE41): x2.7 of the old 1e-5, so
+# gradients get GRAD_TOL = 3e-5 (x8)
 TOL = 1e-5
+GRAD_TOL = 3e-5
 
 
 def _model():
@@ -85,7 +87,7 @@ def test_packed_model_equals_separate(padded):
         a = torch.zeros_like(b) if a is None else a
         b = torch.zeros_like(a) if b is None else b
         e = (a - b).abs().max().item() / max(1.0, b.abs().max().item())
-        assert e <= TOL, (n, e)
+        assert e <= GRAD_TOL, (n, e)
         if e > e_grad:
             e_grad, worst_name = e, n
     print(f"padded={padded}: logits {e_logit:.2e}, mtp logits {e_mtp:.2e}, loss "

@@ -23,8 +23,8 @@ LAYOUTS = {                                   # (cu_seqlens, cu_seqlens_padded o
 # The simulated ranks run smaller GEMMs than the single-rank run, so MKL may block them differently: under the
 # numerics contract the two are bit-equal on this host's default paths and differ by <= 2.6e-6 under
 # MKL_CBWR=COMPATIBLE and 4.1e-6 under ATEN default + MKL_CBWR=COMPATIBLE + DNNL SSE41 (worst over
-# harness/numerics.py's simulated hosts, |out| ~ 8); ATOL = 2.5x that.
-ATOL = 1e-5
+# harness/numerics.py's simulated hosts, |out| ~ 8); ATOL = 3e-5 (7x that).
+ATOL = 3e-5
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

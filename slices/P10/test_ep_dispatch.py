@@ -12,8 +12,8 @@ from dsv4.model.moe import MoE
 from dsv4.slices.D8._workers import ep_worker, randomize, spawn
 
 # relative to max(1, max |ref|): measured worst 4.1e-7 (MKL_CBWR=COMPATIBLE; 3.8e-7 under ATEN default+CBWR+DNNL
-# SSE41, 2.1e-7 natively) over the 11 simulated hosts of harness/numerics.py, x2.4 (thin)
-TOL = 1e-6
+# SSE41, 2.1e-7 natively) over the 11 simulated hosts of harness/numerics.py; the old 1e-6 left x2.4 -> 3e-6 (x7)
+TOL = 3e-6
 LAYERS = [0, 1]
 
 
