@@ -44,3 +44,14 @@ def interpreted() -> bool:
     """Whether this process's @triton.jit kernels run on Triton's CPU interpreter (TRITON_INTERPRET=1 when
     they were decorated): a capability fact for `kernels.check_device`, not a config choice."""
     return not isinstance(_probe, triton.runtime.jit.JITFunction)
+
+
+class FnCtx:
+    """A plain record that stands in for autograd's `ctx` when a Triton `autograd.Function`'s forward / backward
+    staticmethods run as the bodies of `torch.library` custom ops (`kernels/<op>/op.py`): the launch code and
+    the math stay in `triton.py`, once. `save_for_backward` records; attributes are set as usual."""
+
+    saved_tensors: tuple = ()
+
+    def save_for_backward(self, *tensors) -> None:
+        self.saved_tensors = tensors
