@@ -76,3 +76,7 @@ def prepare(backend: str, device=None) -> None:
     """Resolve every op of `backend` now (imports, capability checks), e.g. before `torch.compile` traces."""
     for name in OPS:
         get_op(name, backend, device)
+
+
+for _name in OPS:                 # the references now, so that no import happens inside a torch.compile trace
+    _resolve(_name, "naive")
