@@ -157,6 +157,15 @@ class DSv4Model(nn.Module):
                 m.gemm = mode
         return self
 
+    def compile_blocks(self, **compile_kwargs) -> "DSv4Model":
+        """torch.compile every block and the MTP block in place (`nn.Module.compile`: parameter names and
+        checkpoints unchanged); whole-block recompute wraps the compiled blocks. The Triton ops are custom ops,
+        opaque to the compiler; a block traces without graph breaks when the expert GEMM is "grouped" or "dense"
+        ("loop" reads the per-expert counts on the host)."""
+        for b in list(self.layers) + list(self.mtp):
+            b.compile(**compile_kwargs)
+        return self
+
     def set_recompute(self, on: bool = True) -> "DSv4Model":
         """Recompute every block's (and the MTP block's) activations in backward (model/recompute.py): keeps
         only the streams between blocks, for long sequences on one GPU. Same math and gradients."""
