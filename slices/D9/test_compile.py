@@ -73,3 +73,19 @@ def test_compiled_blocks_with_recompute_match_eager_and_count_once():
         torch.testing.assert_close(g1[n], g0[n], atol=1e-9, rtol=1e-6, msg=n)
     for a, b in zip(_counts(m), _counts(ref)):
         assert torch.equal(a, b)
+
+
+def test_train_and_bench_have_compile_flags(tmp_path, monkeypatch):
+    """`dsv4 train --compile` calls DSv4Model.compile_blocks (spied: a real Inductor compile of the debug model
+    takes minutes on this CPU; the compiled math is checked above); `dsv4 bench train --compile` exists."""
+    from click.testing import CliRunner
+
+    from dsv4.harness.bench_train import bench_train_cmd
+    from dsv4.harness.train import train_cmd
+    calls = []
+    monkeypatch.setattr(DSv4Model, "compile_blocks", lambda self, **kw: calls.append(kw) or self)
+    r = CliRunner().invoke(train_cmd, ["--recipe", "debug", "--steps", "1", "--compile", "--json",
+                                       "--out", str(tmp_path / "run")])
+    assert r.exit_code == 0, r.output
+    assert calls == [{}]
+    assert "--compile" in CliRunner().invoke(bench_train_cmd, ["--help"]).output
