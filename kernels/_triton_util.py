@@ -43,7 +43,8 @@ def _probe(X):
 def interpreted() -> bool:
     """Whether this process's @triton.jit kernels run on Triton's CPU interpreter (TRITON_INTERPRET=1 when
     they were decorated): a capability fact for `kernels.check_device`, not a config choice."""
-    return not isinstance(_probe, triton.runtime.jit.JITFunction)
+    from triton.runtime.jit import JITFunction
+    return not isinstance(_probe, JITFunction)
 
 
 class FnCtx:
