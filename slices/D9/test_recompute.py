@@ -131,3 +131,20 @@ def test_recompute_scope_is_reentrant():
     with s:                                        # and reusable after exit
         assert recomputing()
     assert not recomputing()
+
+
+def test_whole_block_recompute_with_mhc_recompute():
+    """Both recomputes on (whole block + Megatron #4531's hc_pre recompute): at e2f880d the block recompute's
+    CheckpointWithoutOutput freed the very tensors checkpoint hands to the original graph -> segfault.
+    One backward per forward: CheckpointWithoutOutput (like Megatron's) supports no second backward itself."""
+    ids = _ids()
+    plain = _model(False)
+    loss0, g0, _ = _step(plain, ids, twice=False)
+    both = _model(True).set_recompute_mhc(True)
+    loss1, g1, _ = _step(both, ids, twice=False)
+    torch.testing.assert_close(loss1, loss0, **TOL)
+    assert g1.keys() == g0.keys()
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], msg=n, **TOL)
+    for a, b in zip(_counts(both), _counts(plain)):
+        assert torch.equal(a, b)
