@@ -25,14 +25,14 @@ def _log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def build_ours(cfg, backend: str, device):
+def build_ours(cfg, backend: str, device, compile_: bool = False):
     from dsv4.model import DSv4Model
     from dsv4.model.precision import cast_model
     model = DSv4Model(cfg).to(device)
     cast_model(model, torch.bfloat16)
-    for m in model.modules():
-        if hasattr(m, "backend"):
-            m.backend = backend
+    model.set_kernel_backend(backend)
+    if compile_:
+        model.compile_blocks()                     # torch.compile of every block (Triton ops: custom ops)
     return model.train()
 
 
@@ -82,7 +82,7 @@ def time_steps(model, B, S, V, steps, warmup, device, is_hf: bool):
 
 
 def run(config: str, tokens: list[int], batch: int, steps: int, warmup: int, impls: list[str], backend: str,
-        recompute_from: int = 32768) -> dict:
+        recompute_from: int = 32768, compile_: bool = False) -> dict:
     from dsv4.harness.flops import flops_per_token
     from dsv4.harness.goldens import provenance
     from dsv4.model.config import get_config
@@ -97,7 +97,7 @@ def run(config: str, tokens: list[int], batch: int, steps: int, warmup: int, imp
             rec = {"impl": impl, "tokens": T, "batch": batch, "seq": S}
             model = None
             try:
-                model = build_ours(cfg, backend, device) if impl == "ours" else \
+                model = build_ours(cfg, backend, device, compile_) if impl == "ours" else \
                     build_hf(cfg, device, impl == "hf_compile")
                 if impl == "ours":
                     rec["recompute"] = T >= recompute_from       # whole-block activation recompute
@@ -127,7 +127,8 @@ def run(config: str, tokens: list[int], batch: int, steps: int, warmup: int, imp
             p = by.get((peer, T), {}).get("tokens_per_s")
             if o and p:
                 ratios[f"ours_over_{peer}@{T}"] = o / p
-    return {"bench": "train", "config": config, "backend": backend, "steps": steps, "warmup": warmup,
+    return {"bench": "train", "config": config, "backend": backend, "compile": compile_, "steps": steps,
+            "warmup": warmup,
             "recompute_from_tokens": recompute_from,
             "results": results, "ratios": ratios, "provenance": provenance("h200", config=cfg.to_dict())}
 
@@ -142,12 +143,13 @@ def run(config: str, tokens: list[int], batch: int, steps: int, warmup: int, imp
 @click.option("--backend", default="triton", type=click.Choice(["naive", "triton"]))
 @click.option("--recompute-from", default=32768, type=int,
               help="Ours: recompute block activations in backward from this many tokens per step on.")
+@click.option("--compile", "compile_", is_flag=True, help="Ours: torch.compile every block.")
 @click.option("--out", "out", default=None, type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True)
-def bench_train_cmd(config, tokens, batch, steps, warmup, impls, backend, recompute_from, out, as_json):
+def bench_train_cmd(config, tokens, batch, steps, warmup, impls, backend, recompute_from, compile_, out, as_json):
     """Training tokens/s, peak memory and MFU of ours vs Hugging Face DeepseekV4 (eager, compiled)."""
     doc = run(config, [int(t) for t in tokens.split(",")], batch, steps, warmup, impls.split(","), backend,
-              recompute_from)
+              recompute_from, compile_)
     if out:
         from dsv4.harness.goldens import atomic_write_json
         atomic_write_json(out, doc)

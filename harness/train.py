@@ -78,6 +78,7 @@ class Recipe:
     text: tuple = ()                # text files for the corpus; () = the default offline stdlib corpus
     packing: bool = False           # THD: documents packed into one [1, B*S] row per step (P7 scheduler)
     text_errors: str = "strict"     # text files that are not UTF-8: strict (refuse) | replace (U+FFFD)
+    compile: bool = False           # torch.compile every block (DSv4Model.compile_blocks); same math
 
 
 RECIPES = {
@@ -333,6 +334,10 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
         if recipe.backend != "triton" or not hasattr(model, "set_kernel_backend"):
             raise TrainError(f"train.backend: must be naive|triton, got {recipe.backend!r}")
         model.set_kernel_backend(recipe.backend)
+    if recipe.compile:
+        if not hasattr(model, "compile_blocks"):
+            raise TrainError("train.compile: this model has no compile_blocks()")
+        model.compile_blocks()
     model.train()
     # Newton–Schulz in bf16 for bf16 runs (spec §10.4: "Newton–Schulz can run in BF16"), fp32 otherwise
     opt = build_optimizer(model, lr=recipe.lr, weight_decay=recipe.weight_decay,
@@ -345,7 +350,7 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
     if resume:
         m_state, o_state, rng, meta = loaded
         def core(r):
-            return {k: v for k, v in r.items() if k not in ("steps", "save_interval")}
+            return {k: v for k, v in r.items() if k not in ("steps", "save_interval", "compile")}
         now = json.loads(json.dumps(asdict(recipe)))                        # tuples -> lists, as stored
         if meta["config_hash"] != config_hash(cfg) or core(meta["recipe"]) != core(now):
             raise TrainError(f"resume: checkpoint {resume!r} was made with another recipe/config")
@@ -512,15 +517,16 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
               help="--text files that are not UTF-8: strict (refuse, naming file and byte offset; default) | "
                    "replace (U+FFFD)")
 @click.option("--packing/--no-packing", default=None, help="THD: pack whole documents into one row per step")
+@click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile every block")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON summary on stdout (strict JSON: non-finite "
               "floats as \"nan\" / \"inf\" / \"-inf\")")
 def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, final_checkpoint, overwrite, threads,
-              backend, text, text_errors, packing, as_json):
+              backend, text, text_errors, packing, compile_, as_json):
     """Train a DSv4 model on one device (debug: seconds on CPU; tiny: the CPU loss-curve golden)."""
     r = RECIPES[recipe]
     kw = {k: v for k, v in dict(steps=steps, device=device, dtype=dtype, save_interval=save_interval,
                                  threads=threads, backend=backend, text=tuple(text) or None,
-                                 text_errors=text_errors, packing=packing).items()
+                                 text_errors=text_errors, packing=packing, compile=compile_).items()
           if v is not None}
     try:
         if steps is not None and steps < 1:

@@ -1,1 +1,82 @@
+"""Kernel ops, one folder per op: `naive.py` (plain PyTorch, the reference and the CPU fallback), `triton.py`
+(the Triton kernels and their launch code) and `op.py` (the Triton kernels registered as `torch.library`
+custom ops `dsv4::*`, with fake implementations and autograd, so `torch.compile` sees one opaque node).
 
+The one dispatch mechanism: `get_op(name, backend, device)` returns op `name`'s implementation for `backend`
+("naive" | "triton") from the table `OPS`, after a capability check that raises `KernelUnavailable` with one
+line naming what is missing. `kernels/<op>/__init__.py` (the functions model/ calls, with `backend=`) are thin
+calls of `get_op`. Triton is imported only when the "triton" backend is first asked for.
+
+Which Triton config / precision a launch uses is decided at call time from the tensors' device (CPU tensors
+run on Triton's interpreter: small blocks, exact fp32 products; `_triton_util.on_cpu`), never at import time.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+BACKENDS = ("naive", "triton")
+
+# op -> backend -> "module:function" (under dsv4.kernels). Ops without a Triton kernel name their reference
+# (or a plain-PyTorch variant) under "triton" explicitly: mhc's sinkhorn and hc_head, the indexer's top-k.
+OPS: dict[str, dict[str, str]] = {
+    "sparse_attn": {"naive": "sparse_attn.naive:sparse_attn", "triton": "sparse_attn.op:sparse_attn"},
+    "compress_pool": {"naive": "compressor.naive:compress_pool", "triton": "compressor.op:compress_pool"},
+    "indexer_scores": {"naive": "indexer.naive:indexer_scores", "triton": "indexer.op:indexer_scores"},
+    "indexer_topk": {"naive": "indexer.naive:indexer_topk", "triton": "indexer.triton:indexer_topk"},
+    "sinkhorn": {"naive": "mhc.naive:sinkhorn", "triton": "mhc.naive:sinkhorn"},
+    "hc_pre": {"naive": "mhc.naive:hc_pre", "triton": "mhc.op:hc_pre"},
+    "hc_post": {"naive": "mhc.naive:hc_post", "triton": "mhc.op:hc_post"},
+    "hc_head": {"naive": "mhc.naive:hc_head", "triton": "mhc.naive:hc_head"},
+    "clamped_swiglu": {"naive": "swiglu.naive:clamped_swiglu", "triton": "swiglu.op:clamped_swiglu"},
+}
+
+
+class KernelUnavailable(RuntimeError):
+    """A kernel backend cannot run here; the message is one line naming what is missing."""
+
+
+_RESOLVED: dict[tuple[str, str], object] = {}
+_TRITON = {"on_cpu": False}         # whether the loaded Triton kernels run on Triton's CPU interpreter
+
+
+def _resolve(name: str, backend: str):
+    if name not in OPS:
+        raise ValueError(f"kernels: unknown op {name!r}; known: {', '.join(OPS)}")
+    if backend not in OPS[name]:
+        raise ValueError(f"{name}: unknown backend {backend!r}; known: {', '.join(OPS[name])}")
+    if backend == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise KernelUnavailable(f"{name}: backend 'triton' needs the triton package (pip install triton)")
+        from dsv4.kernels import _triton_util
+        _TRITON["on_cpu"] = _triton_util.interpreted()
+    mod, fn = OPS[name][backend].split(":")
+    _RESOLVED[(name, backend)] = getattr(importlib.import_module(f"{__name__}.{mod}"), fn)
+    return _RESOLVED[(name, backend)]
+
+
+def check_device(name: str, backend: str, device) -> None:
+    """Raise KernelUnavailable unless `backend` can run op `name` on tensors of `device`."""
+    if backend == "triton" and device is not None and device.type != "cuda" and not (
+            device.type == "cpu" and _TRITON["on_cpu"]):
+        raise KernelUnavailable(f"{name}: backend 'triton' needs CUDA or TRITON_INTERPRET=1 "
+                                f"(set before triton is imported); got {device.type} tensors")
+
+
+def get_op(name: str, backend: str = "naive", device=None):
+    """The implementation of op `name` for `backend`, checked to run on `device` (a torch.device or None)."""
+    fn = _RESOLVED.get((name, backend))
+    if fn is None:
+        fn = _resolve(name, backend)
+    check_device(name, backend, device)
+    return fn
+
+
+def prepare(backend: str, device=None) -> None:
+    """Resolve every op of `backend` now (imports, capability checks), e.g. before `torch.compile` traces."""
+    for name in OPS:
+        get_op(name, backend, device)
+
+
+for _name in OPS:                 # the references now, so that no import happens inside a torch.compile trace
+    _resolve(_name, "naive")

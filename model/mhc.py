@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from dsv4.kernels import mhc as mhc_ops
+from dsv4.model.recompute import recomputing
 
 
 def mhc_parameters(cfg, head: bool = False) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
@@ -118,7 +119,13 @@ class CheckpointWithoutOutput:
         return out
 
     def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor) -> None:
-        """Free the outputs' storage; re-run `fn` when the gradient of `hook_tensor` has been computed."""
+        """Free the outputs' storage; re-run `fn` when the gradient of `hook_tensor` has been computed.
+
+        Inside a whole-block recompute (`model/recompute.py`) this does nothing: there the outputs ARE the tensors
+        torch.utils.checkpoint hands to the original graph's saved slots, and the recompute graph's hook would
+        never fire (freeing them made the backward read empty storage: a segfault with both recomputes on)."""
+        if recomputing():
+            return
         for o in self.outputs:
             o.untyped_storage().resize_(0)
         if hook_tensor.requires_grad:

@@ -25,7 +25,8 @@ from torch import nn
 from dsv4.model.block import Block
 from dsv4.model.config import ConfigError, DSv4Config
 from dsv4.model.mhc import expand_streams, hc_head, mhc_parameters
-from dsv4.model.moe import Gate, MoE
+import dsv4.kernels as kernels
+from dsv4.model.moe import EXPERT_GEMMS, Experts, Gate, MoE
 from dsv4.model.mtp import MTPBlock
 from dsv4.model.norm import RMSNorm
 from dsv4.model.precision import cast_model
@@ -138,10 +139,31 @@ class DSv4Model(nn.Module):
                 m.update_expert_bias()
 
     def set_kernel_backend(self, backend: str) -> "DSv4Model":
-        """Choose the kernel backend ("naive" | "triton") of every module that has one."""
+        """Choose the kernel backend ("naive" | "triton") of every module that has one. The backend's ops are
+        resolved now (`kernels.prepare`: imports and capability checks), before any torch.compile trace."""
+        kernels.prepare(backend)
         for m in self.modules():
             if hasattr(m, "backend") and isinstance(m.backend, str):
                 m.backend = backend
+        return self
+
+    def set_expert_gemm(self, mode: str) -> "DSv4Model":
+        """How every MoE layer's routed-expert GEMMs run: "auto" (default) | "loop" | "grouped" | "dense"
+        (`model/moe.py` EXPERT_GEMMS). Same math; "dense" is the static-shape variant for torch.compile."""
+        if mode not in EXPERT_GEMMS:
+            raise ValueError(f"set_expert_gemm: unknown mode {mode!r}; known: {', '.join(EXPERT_GEMMS)}")
+        for m in self.modules():
+            if isinstance(m, Experts):
+                m.gemm = mode
+        return self
+
+    def compile_blocks(self, **compile_kwargs) -> "DSv4Model":
+        """torch.compile every block and the MTP block in place (`nn.Module.compile`: parameter names and
+        checkpoints unchanged); whole-block recompute wraps the compiled blocks. The Triton ops are custom ops,
+        opaque to the compiler; a block traces without graph breaks when the expert GEMM is "grouped" or "dense"
+        ("loop" reads the per-expert counts on the host)."""
+        for b in list(self.layers) + list(self.mtp):
+            b.compile(**compile_kwargs)
         return self
 
     def set_recompute(self, on: bool = True) -> "DSv4Model":

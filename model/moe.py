@@ -27,35 +27,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4.kernels import KernelUnavailable
 from dsv4.kernels.swiglu import clamped_swiglu
 from dsv4.model.recompute import recomputing
 
-_GROUPED_OK: dict[str, bool] = {}
+# How the routed experts' GEMMs run (`Experts.gemm`, set for a whole model by `DSv4Model.set_expert_gemm`):
+#   "loop"    one F.linear pair per expert over its gathered tokens (host sync for the counts; any device/dtype);
+#   "grouped" torch._grouped_mm over the expert-sorted slots (no host sync; bf16 activations and weights);
+#   "dense"   every expert on every token, weighted by the (mostly zero) routing weight: static shapes, no host
+#             sync, no data-dependent control flow (torch.compile without graph breaks on any device), E/K x the
+#             FLOPs: for small models and CPU tests;
+#   "auto"    (default) "grouped" for bf16 CUDA tensors when torch has _grouped_mm, else "loop".
+# A choice whose capability is missing raises KernelUnavailable naming it (no probe, no silent fallback).
+EXPERT_GEMMS = ("auto", "loop", "grouped", "dense")
 
 
-def grouped_mm_ok(device: torch.device) -> bool:
-    """Whether torch._grouped_mm runs (forward and backward, bf16, an empty group included) on this CUDA
-    device; checked once per device, False on CPU (the per-expert loop is used there)."""
-    key = str(device)
-    if key not in _GROUPED_OK:
-        ok = False
-        if device.type == "cuda" and hasattr(torch, "_grouped_mm"):
-            try:
-                x = torch.randn(64, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
-                w = torch.randn(4, 48, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
-                offs = torch.tensor([5, 5, 37, 64], device=device, dtype=torch.int32)       # unaligned, one empty
-                y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)              # [64, 48]
-                ref = torch.cat([x[:5] @ w[0].T, x[5:37] @ w[2].T, x[37:] @ w[3].T])
-                y.float().pow(2).sum().backward()
-                gw = torch.zeros_like(w)
-                for e, (a, b) in enumerate([(0, 5), (5, 5), (5, 37), (37, 64)]):
-                    gw[e] = (2 * ref[a:b].float()).T.to(torch.bfloat16) @ x[a:b].detach()
-                ok = bool(torch.allclose(y.float(), ref.float(), atol=0.1, rtol=0.02)) and \
-                    bool(torch.allclose(w.grad.float(), gw.float(), atol=1.0, rtol=0.05))
-            except Exception:  # noqa: BLE001 - any failure means: use the loop
-                ok = False
-        _GROUPED_OK[key] = ok
-    return _GROUPED_OK[key]
+def grouped_gemm_missing(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """What "grouped" needs and `x` / `w` lack (None: it can run)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch._grouped_mm (torch {torch.__version__} has none)"
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return f"bf16 activations and expert weights (got {x.dtype} / {w.dtype})"
+    return None
+
+
+def expert_gemm(mode: str, x: torch.Tensor, w: torch.Tensor) -> str:
+    """The concrete GEMM mode ("loop" | "grouped" | "dense") that `mode` means for these tensors."""
+    if mode not in EXPERT_GEMMS:
+        raise ValueError(f"Experts.gemm: unknown mode {mode!r}; known: {', '.join(EXPERT_GEMMS)}")
+    if mode == "auto":
+        return "grouped" if x.is_cuda and grouped_gemm_missing(x, w) is None else "loop"
+    if mode == "grouped":
+        missing = grouped_gemm_missing(x, w)
+        if missing is not None:
+            raise KernelUnavailable(f"Experts.gemm 'grouped' needs {missing}")
+    return mode
+
+
+def expert_counts(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Tokens per expert [E] int64 (= bincount(idx, minlength=E) for idx < E, with a static output shape)."""
+    flat = idx.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.long, device=idx.device).index_add_(0, flat, torch.ones_like(flat))
 
 
 def hash_table(cfg) -> torch.Tensor:
@@ -106,7 +118,7 @@ class Gate(nn.Module):
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.cfg.routed_scaling_factor
         if self.training and not recomputing():         # counted once per step, not again in a recompute
             with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(idx.reshape(-1), minlength=self.n_experts)
+                self.tokens_per_expert += expert_counts(idx, self.n_experts)
         return w, idx, scores
 
     @torch.no_grad()
@@ -128,6 +140,7 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.randn(E, 2 * f, d) * std)
         self.w2 = nn.Parameter(torch.randn(E, d, f) * std)
         self.backend = "naive"
+        self.gemm = "auto"                                                     # EXPERT_GEMMS
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [T, d], w [T, K], idx [T, K] -> [T, d] = sum_k w_k Expert_{idx_k}(x) (accumulated in fp32)."""
@@ -135,16 +148,25 @@ class Experts(nn.Module):
         order = torch.argsort(idx.reshape(-1), stable=True)                    # token-slots grouped by expert
         tok = order // idx.shape[1]                                            # [T*K] token of each slot
         wk = w.reshape(-1)[order]                                              # [T*K] its routing weight
-        if x.dtype == torch.bfloat16 and self.w13.dtype == torch.bfloat16 and grouped_mm_ok(x.device):
+        mode = expert_gemm(self.gemm, x, self.w13)
+        if mode == "dense":
+            E = self.w13.shape[0]
+            wt = torch.zeros(x.shape[0], E, dtype=w.dtype, device=x.device).scatter_add_(1, idx, w)   # [T, E]
+            for e in range(E):
+                gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)           # [T, f] each
+                y = F.linear(clamped_swiglu(gate, up, self.limit, backend=self.backend), self.w2[e])
+                out = out + y.to(out.dtype) * wt[:, e, None].to(out.dtype)
+            return out.to(x.dtype)
+        if mode == "grouped":
             # one grouped GEMM per projection over the expert-sorted slots; no host sync
-            counts = torch.bincount(idx.reshape(-1), minlength=self.w13.shape[0])
+            counts = expert_counts(idx, self.w13.shape[0])
             offs = torch.cumsum(counts, 0).to(torch.int32)                     # [E] end of each group
             xs = x[tok]                                                        # [T*K, d]
             gate, up = torch._grouped_mm(xs, self.w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
             h = clamped_swiglu(gate, up, self.limit, backend=self.backend)     # [T*K, f]
             y = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)     # [T*K, d]
             return out.index_add_(0, tok, y.to(out.dtype) * wk[:, None].to(out.dtype)).to(x.dtype)
-        counts = torch.bincount(idx.reshape(-1), minlength=self.w13.shape[0]).tolist()
+        counts = expert_counts(idx, self.w13.shape[0]).tolist()
         start = 0
         for e, c in enumerate(counts):
             if c == 0:

@@ -1,16 +1,9 @@
-"""Compressor pooling op (spec §6). `compress_pool(..., backend="naive")`; other backends register in _IMPLS."""
+"""Compressor pooling op (spec §6): `compress_pool(..., backend="naive"|"triton")` via `kernels.get_op`."""
 from __future__ import annotations
 
-from . import naive
-
-_IMPLS = {"naive": naive.compress_pool}
+from dsv4.kernels import get_op
 
 
 def compress_pool(kv, gate, ape, ratio: int, overlap: bool, backend: str = "naive"):
     """kv, gate [S,B,coff*D]; ape [m, coff*D] -> [S//m, B, D]. See `naive.compress_pool`."""
-    if backend == "triton" and "triton" not in _IMPLS:             # lazy: triton is imported only when asked for
-        from . import triton as _triton
-        _IMPLS["triton"] = _triton.compress_pool
-    if backend not in _IMPLS:
-        raise ValueError(f"compress_pool: unknown backend {backend!r}; known: {', '.join(_IMPLS)}")
-    return _IMPLS[backend](kv, gate, ape, ratio, overlap)
+    return get_op("compress_pool", backend, kv.device)(kv, gate, ape, ratio, overlap)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels._triton_util import interpreting, pow2
+from dsv4.kernels._triton_util import on_cpu, pow2
 
 from . import naive
 
@@ -76,9 +76,9 @@ def _pool_bwd(KV, GATE, APE, DOUT, DKV, DGATE, m, D, W, B,
     tl.store(DGATE + off, dz.to(DGATE.dtype.element_ty), mask=mask)
 
 
-def _blocks(m, overlap, D):
+def _blocks(m, overlap, D, x):
     MP = pow2(2 * m if overlap else m, lo=1)
-    BD = min(pow2(D), max(16, (4096 if not interpreting() else 256) // MP))
+    BD = min(pow2(D), max(16, (256 if on_cpu(x) else 4096) // MP))
     return MP, BD
 
 
@@ -90,7 +90,7 @@ class _CompressPool(torch.autograd.Function):
         D = W // 2 if overlap else W
         n = S // ratio
         out = kv.new_empty(n, B, D)
-        MP, BD = _blocks(ratio, overlap, D)
+        MP, BD = _blocks(ratio, overlap, D, kv)
         if n > 0:
             _pool_fwd[(n, B, triton.cdiv(D, BD))](kv, gate, ape.float(), out, ratio, D, W, B,
                                                    OVERLAP=overlap, MP=MP, BD=BD, num_warps=4)
@@ -106,7 +106,7 @@ class _CompressPool(torch.autograd.Function):
         D = W // 2 if overlap else W
         n = S // ratio
         dkv, dgate = torch.zeros_like(kv), torch.zeros_like(gate)
-        MP, BD = _blocks(ratio, overlap, D)
+        MP, BD = _blocks(ratio, overlap, D, kv)
         if n > 0:
             _pool_bwd[(n, B, triton.cdiv(D, BD))](kv, gate, ape.float(), dout.contiguous(), dkv, dgate, ratio, D, W,
                                                    B, OVERLAP=overlap, MP=MP, BD=BD, num_warps=4)

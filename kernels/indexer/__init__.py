@@ -1,32 +1,14 @@
-"""Lightning-indexer ops (spec §7.2): `indexer_scores`, `indexer_topk` with `backend="naive"` dispatch."""
+"""Lightning-indexer ops (spec §7.2): `indexer_scores`, `indexer_topk` with `backend=` via `kernels.get_op`."""
 from __future__ import annotations
 
-from . import naive
-
-_SCORES = {"naive": naive.indexer_scores}
-_TOPK = {"naive": naive.indexer_topk}
-
-
-def _register_triton():
-    """Lazy: the Triton backend (and triton itself) is imported only when asked for."""
-    if "triton" not in _SCORES:
-        from . import triton as _triton
-        _SCORES["triton"], _TOPK["triton"] = _triton.indexer_scores, _triton.indexer_topk
+from dsv4.kernels import get_op
 
 
 def indexer_scores(qI, kI, w, ratio: int, backend: str = "naive"):
     """qI [S,B,nI,cI], kI [T,B,cI], w [S,B,nI] -> I [S,B,T] fp32. See `naive.indexer_scores`."""
-    if backend == "triton":
-        _register_triton()
-    if backend not in _SCORES:
-        raise ValueError(f"indexer_scores: unknown backend {backend!r}; known: {', '.join(_SCORES)}")
-    return _SCORES[backend](qI, kI, w, ratio)
+    return get_op("indexer_scores", backend, qI.device)(qI, kI, w, ratio)
 
 
 def indexer_topk(I, k: int, backend: str = "naive"):
     """I [S,B,T] -> idx [S,B,min(k,T)] long, -1 = not causal; ties -> lower index first."""
-    if backend == "triton":
-        _register_triton()
-    if backend not in _TOPK:
-        raise ValueError(f"indexer_topk: unknown backend {backend!r}; known: {', '.join(_TOPK)}")
-    return _TOPK[backend](I, k)
+    return get_op("indexer_topk", backend, I.device)(I, k)

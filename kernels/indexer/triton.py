@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels._triton_util import configs, interpreting, pow2
+from dsv4.kernels._triton_util import configs, on_cpu, pow2
 
 from . import naive
 
@@ -29,7 +29,7 @@ _FWD_CONFIGS = configs(gpu=[dict(BT=64, BJ=64, num_warps=4, num_stages=3), dict(
 _BWD_CONFIGS = configs(gpu=[dict(BT=64, BJ=64, num_warps=4, num_stages=2)], cpu=dict(BT=16, BJ=16))
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=["NH", "BC"])
+@triton.autotune(**_FWD_CONFIGS, key=["NH", "BC"])
 @triton.jit
 def _scores_fwd(Q, K, Wt, I, S, T, NH, C, ratio, coef, t_off,
                 sq_s, sq_b, sq_h, sk_t, sk_b, sw_s, sw_b, si_s, si_b,
@@ -60,7 +60,7 @@ def _scores_fwd(Q, K, Wt, I, S, T, NH, C, ratio, coef, t_off,
         tl.store(I + out_off, acc, mask=omask)
 
 
-@triton.autotune(configs=_BWD_CONFIGS, key=["NH", "BC"])
+@triton.autotune(**_BWD_CONFIGS, key=["NH", "BC"])
 @triton.jit
 def _scores_bwd_dq(Q, K, Wt, DI, DQ, DW, S, T, NH, C, ratio, coef, HPP,
                    sq_s, sq_b, sq_h, sk_t, sk_b, sw_s, sw_b, si_s, si_b,
@@ -94,7 +94,7 @@ def _scores_bwd_dq(Q, K, Wt, DI, DQ, DW, S, T, NH, C, ratio, coef, HPP,
         tl.store(DW + w_off + h, (dw * coef).to(DW.dtype.element_ty), mask=tmask)
 
 
-@triton.autotune(configs=_BWD_CONFIGS, key=["NH", "BC"])
+@triton.autotune(**_BWD_CONFIGS, key=["NH", "BC"])
 @triton.jit
 def _scores_bwd_dk(Q, K, Wt, DI, DK, S, T, NH, C, ratio, coef, HPP,
                    sq_s, sq_b, sq_h, sk_t, sk_b, sw_s, sw_b, si_s, si_b,
@@ -167,7 +167,7 @@ class _IndexerScores(torch.autograd.Function):
         dq, dk, dw = torch.zeros_like(qI), torch.zeros_like(kI), torch.zeros_like(w)
         if S and T:
             st = _strides(qI, kI, w, dI)
-            hpp = 2 if interpreting() else 8                    # heads per program (tests: exercise the split)
+            hpp = 2 if on_cpu(qI) else 8                       # heads per program (CPU tests: exercise the split)
             ng = triton.cdiv(nI, hpp)
             _scores_bwd_dq[lambda meta: (triton.cdiv(S, meta["BT"]), B, ng)](
                 qI, kI, w, dI, dq, dw, S, T, nI, cI, ratio, coef, hpp, *st, BC=pow2(cI), PREC=_prec(qI))

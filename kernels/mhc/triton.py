@@ -21,19 +21,24 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels._triton_util import configs, interpreting, pow2
+from dsv4.kernels._triton_util import configs, on_cpu, pow2
 from dsv4.kernels.mhc import naive
 
 sinkhorn = naive.sinkhorn
 hc_head = naive.hc_head
 
-_PREC = "ieee" if interpreting() else "tf32x3"
+
+def _prec(x) -> str:
+    """Dot precision: exact fp32 ("ieee") for CPU tensors (Triton's interpreter), 3xTF32 on the GPU."""
+    return "ieee" if on_cpu(x) else "tf32x3"
+
+
 _PROJ_CONFIGS = configs(gpu=[dict(BM=32, BK=128, num_warps=4, num_stages=3), dict(BM=64, BK=128, num_warps=8, num_stages=3)],
                         cpu=dict(BM=16, BK=32))
 
 
 # ------------------------------------------------------------------------------------------ hc_pre fwd
-@triton.autotune(configs=_PROJ_CONFIGS, key=["K", "R"])
+@triton.autotune(**_PROJ_CONFIGS, key=["K", "R"])
 @triton.jit
 def _proj(X, FN, MIX, RINV, N, K, R, norm_eps, RP: tl.constexpr, PREC: tl.constexpr,
           BM: tl.constexpr, BK: tl.constexpr):
@@ -185,8 +190,8 @@ def _pre_dx(X, FN, DH, CX, PRE, DU, DX, N, K, D, R, NS: tl.constexpr, RP: tl.con
     tl.store(DX + x_off, dx.to(DX.dtype.element_ty), mask=mk)
 
 
-def _blocks_d(d):
-    return (16, min(pow2(d), 32)) if interpreting() else (16, min(pow2(d), 256))
+def _blocks_d(d, x):
+    return (16, min(pow2(d), 32)) if on_cpu(x) else (16, min(pow2(d), 256))
 
 
 def _project(x, fn32, norm_eps):
@@ -195,7 +200,7 @@ def _project(x, fn32, norm_eps):
     RP = pow2(R)
     mix = torch.empty(N, RP, device=x.device, dtype=torch.float32)
     rinv = torch.empty(N, device=x.device, dtype=torch.float32)
-    _proj[lambda meta: (triton.cdiv(N, meta["BM"]),)](x, fn32, mix, rinv, N, K, R, float(norm_eps), RP=RP, PREC=_PREC)
+    _proj[lambda meta: (triton.cdiv(N, meta["BM"]),)](x, fn32, mix, rinv, N, K, R, float(norm_eps), RP=RP, PREC=_prec(x))
     return mix, rinv
 
 
@@ -212,7 +217,7 @@ class _HcPre(torch.autograd.Function):
         post = torch.empty(N, n, device=x.device, dtype=torch.float32)
         comb = torch.empty(N, n, n, device=x.device, dtype=torch.float32)
         pre = torch.empty(N, n, device=x.device, dtype=torch.float32)
-        BM, BD = _blocks_d(d)
+        BM, BD = _blocks_d(d, x)
         _pre[(triton.cdiv(N, BM),)](x, mix, base32, scale32, u, post, comb, pre, N, d, int(iters), float(eps),
                                     NS=n, NP=pow2(n, lo=1), RP=RP, BM=BM, BD=BD, num_warps=4)
         ctx.save_for_backward(x, fn32, base32, scale32, mix, rinv, pre)
@@ -226,7 +231,7 @@ class _HcPre(torch.autograd.Function):
         N, n, d = x.shape
         R, K = fn32.shape
         RP = mix.shape[1]
-        BM, BD = _blocks_d(d)
+        BM, BD = _blocks_d(d, x)
         du = torch.zeros(N, d, device=x.device, dtype=x.dtype) if du is None else du.contiguous()
         dpost = torch.zeros(N, n, device=x.device, dtype=torch.float32) if dpost is None else dpost.float().contiguous()
         dcomb = torch.zeros(N, n, n, device=x.device, dtype=torch.float32) if dcomb is None else dcomb.float().contiguous()
@@ -242,9 +247,9 @@ class _HcPre(torch.autograd.Function):
         dh[:, :R] = dmix * rinv[:, None]                         # d(x·fnᵀ)
         cx = -(dmix * mix[:, :R]).sum(1) * rinv * rinv / K          # from r = rsqrt(mean(x²)+eps)
         dx = torch.empty_like(x)
-        BMx, BK = (16, 32) if interpreting() else (64, 128)
+        BMx, BK = (16, 32) if on_cpu(x) else (64, 128)
         _pre_dx[(triton.cdiv(N, BMx), triton.cdiv(K, BK))](x, fn32, dh, cx.contiguous(), pre, du, dx, N, K, d, R,
-                                                           NS=n, RP=RP, PREC=_PREC, BM=BMx, BK=BK, num_warps=4)
+                                                           NS=n, RP=RP, PREC=_prec(x), BM=BMx, BK=BK, num_warps=4)
         dfn = dh[:, :R].t() @ x.reshape(N, K).to(torch.float32)     # [R, n*d]
         return dx, dfn.to(fdt), dbase.to(bdt), dscale.to(sdt), None, None, None
 
@@ -305,7 +310,7 @@ class _HcPost(torch.autograd.Function):
         post32, comb32 = post.float().contiguous(), comb.float().contiguous()
         N, n, d = x.shape
         y = torch.empty_like(x)
-        BM, BD = (16, min(pow2(d), 32)) if interpreting() else (8, min(pow2(d), 256))
+        BM, BD = (16, min(pow2(d), 32)) if on_cpu(x) else (8, min(pow2(d), 256))
         _post_fwd[(triton.cdiv(N, BM), triton.cdiv(d, BD))](x, out, post32, comb32, y, N, d, NS=n,
                                                             NP=pow2(n, lo=1), BM=BM, BD=BD, num_warps=4)
         ctx.save_for_backward(x, out, post32, comb32)
@@ -317,7 +322,7 @@ class _HcPost(torch.autograd.Function):
         x, out, post32, comb32 = ctx.saved_tensors
         N, n, d = x.shape
         dx, dout = torch.empty_like(x), torch.empty_like(out)
-        BM, BD = (16, min(pow2(d), 8)) if interpreting() else (16, min(pow2(d), 256))
+        BM, BD = (16, min(pow2(d), 8)) if on_cpu(x) else (16, min(pow2(d), 256))
         nd = triton.cdiv(d, BD)
         dpost = torch.empty(nd, N, n, device=x.device, dtype=torch.float32)
         dcomb = torch.empty(nd, N, n, n, device=x.device, dtype=torch.float32)

@@ -56,7 +56,7 @@ def _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=["H", "BD", "MODE"])
+@triton.autotune(**_FWD_CONFIGS, key=["H", "BD", "MODE"])
 @triton.jit
 def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE,
                      sq_s, sq_b, sq_h, skv_s, skv_b, sc_s, sc_b, si_s, si_b, so_s, so_b, so_h, sl_s, sl_b,
@@ -132,7 +132,7 @@ def _dk_add(DK, rows, b, s_row, s_b, offs_d, valid, dmask, dk, DKT: tl.constexpr
                       mask=valid[:, None] & dmask[None, :], sem="relaxed")
 
 
-@triton.autotune(configs=_BWD_CONFIGS, key=["H", "BD", "MODE"], reset_to_zero=["DKV", "DCOMP"])
+@triton.autotune(**_BWD_CONFIGS, key=["H", "BD", "MODE"], reset_to_zero=["DKV", "DCOMP"])
 @triton.jit
 def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA,
                      sq_s, sq_b, sq_h, skv_s, skv_b, sc_s, sc_b, si_s, si_b, so_s, so_b, so_h, sl_s, sl_b,

@@ -12,9 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels._triton_util import interpreting
+from dsv4.kernels._triton_util import on_cpu
 
-_BLOCK = 256 if interpreting() else 2048
+
+def _block(x) -> int:
+    """Elements per program: 256 for CPU tensors (Triton's interpreter), 2048 on the GPU."""
+    return 256 if on_cpu(x) else 2048
 
 
 @triton.jit
@@ -63,10 +66,10 @@ class _ClampedSwiGLU(torch.autograd.Function):
     def forward(ctx, gate, up, limit):
         gate, up = gate.contiguous(), up.contiguous()
         y = torch.empty_like(gate)
-        n = gate.numel()
+        n, BLOCK = gate.numel(), _block(gate)
         clamp = limit is not None
         lim = float(limit) if clamp else 0.0
-        _swiglu_fwd[(triton.cdiv(n, _BLOCK),)](gate, up, y, n, lim, CLAMP=clamp, CT=_ct(gate), BLOCK=_BLOCK, num_warps=8)
+        _swiglu_fwd[(triton.cdiv(n, BLOCK),)](gate, up, y, n, lim, CLAMP=clamp, CT=_ct(gate), BLOCK=BLOCK, num_warps=8)
         ctx.save_for_backward(gate, up)
         ctx.cfg = (clamp, lim)
         return y
@@ -77,8 +80,8 @@ class _ClampedSwiGLU(torch.autograd.Function):
         clamp, lim = ctx.cfg
         dy = dy.contiguous()
         dg, du = torch.empty_like(gate), torch.empty_like(up)
-        n = gate.numel()
-        _swiglu_bwd[(triton.cdiv(n, _BLOCK),)](gate, up, dy, dg, du, n, lim, CLAMP=clamp, CT=_ct(gate), BLOCK=_BLOCK,
+        n, BLOCK = gate.numel(), _block(gate)
+        _swiglu_bwd[(triton.cdiv(n, BLOCK),)](gate, up, dy, dg, du, n, lim, CLAMP=clamp, CT=_ct(gate), BLOCK=BLOCK,
                                               num_warps=8)
         return dg, du, None
 

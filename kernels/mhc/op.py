@@ -1,0 +1,119 @@
+"""`dsv4::hc_pre_fwd|bwd`, `dsv4::hc_post_fwd|bwd`: the fused Triton mHC kernels as torch custom ops (opaque to
+torch.compile; fake implementations for shapes). The bodies run `triton._HcPre` / `triton._HcPost`'s forward /
+backward with a plain ctx record (`FnCtx`), so the numerics are those of the autograd.Functions. hc_pre's
+forward also returns the tensors its backward needs (mix, rinv, pre); `sinkhorn` and `hc_head` have no Triton
+kernel (the reference is used, see `kernels.OPS`)."""
+from typing import Optional
+
+import torch
+
+from dsv4.kernels._triton_util import FnCtx
+from dsv4.kernels.mhc import triton as T
+
+Tensor = torch.Tensor
+
+
+# ------------------------------------------------------------------------------------------------ hc_pre
+@torch.library.custom_op("dsv4::hc_pre_fwd", mutates_args=())
+def hc_pre_fwd(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: float,
+               norm_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (u [N,d] x.dtype, post [N,n], comb [N,n,n], and for the backward mix [N,RP], rinv [N], pre [N,n])."""
+    ctx = FnCtx()
+    u, post, comb = T._HcPre.forward(ctx, x, fn, base, scale, iters, eps, norm_eps)
+    _, _, _, _, mix, rinv, pre = ctx.saved_tensors
+    return u, post, comb, mix, rinv, pre
+
+
+@hc_pre_fwd.register_fake
+def _(x, fn, base, scale, iters, eps, norm_eps):
+    N, n, d = x.shape
+    f32 = dict(dtype=torch.float32)
+    return (x.new_empty(N, d), x.new_empty(N, n, **f32), x.new_empty(N, n, n, **f32),
+            x.new_empty(N, T.pow2(fn.shape[0]), **f32), x.new_empty(N, **f32), x.new_empty(N, n, **f32))
+
+
+@torch.library.custom_op("dsv4::hc_pre_bwd", mutates_args=())
+def hc_pre_bwd(du: Optional[Tensor], dpost: Optional[Tensor], dcomb: Optional[Tensor], x: Tensor, fn: Tensor,
+               base: Tensor, scale: Tensor, mix: Tensor, rinv: Tensor, pre: Tensor, iters: int,
+               eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    ctx = FnCtx()                                      # what _HcPre.forward leaves
+    ctx.save_for_backward(x.contiguous(), fn.float().contiguous(), base.float().contiguous(),
+                          scale.float().contiguous(), mix, rinv, pre)
+    ctx.cfg = (int(iters), float(eps), fn.dtype, base.dtype, scale.dtype)
+    dx, dfn, dbase, dscale, _, _, _ = T._HcPre.backward(ctx, du, dpost, dcomb)
+    return dx, dfn, dbase, dscale
+
+
+@hc_pre_bwd.register_fake
+def _(du, dpost, dcomb, x, fn, base, scale, mix, rinv, pre, iters, eps):
+    return x.new_empty(x.shape), fn.new_empty(fn.shape), base.new_empty(base.shape), scale.new_empty(scale.shape)
+
+
+def _pre_setup(ctx, inputs, output):
+    x, fn, base, scale, iters, eps, norm_eps = inputs
+    ctx.save_for_backward(x, fn, base, scale, *output[3:])
+    ctx.cfg = (int(iters), float(eps))
+
+
+def _pre_backward(ctx, du, dpost, dcomb, *_extra):
+    x, fn, base, scale, mix, rinv, pre = ctx.saved_tensors
+    dx, dfn, dbase, dscale = torch.ops.dsv4.hc_pre_bwd(du, dpost, dcomb, x, fn, base, scale, mix, rinv, pre,
+                                                       *ctx.cfg)
+    return dx, dfn, dbase, dscale, None, None, None
+
+
+hc_pre_fwd.register_autograd(_pre_backward, setup_context=_pre_setup)
+
+
+def hc_pre(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: float, norm_eps: float):
+    """x [N,n,d] -> (u [N,d] x.dtype, post [N,n] fp32, comb [N,n,n] fp32); same contract as `naive.hc_pre`."""
+    N, n, d = x.shape
+    if tuple(fn.shape) != ((2 + n) * n, n * d):
+        raise ValueError(f"hc_pre: fn shape {tuple(fn.shape)} != ((2+n)n, n*d) = {((2 + n) * n, n * d)}")
+    u, post, comb, *_ = torch.ops.dsv4.hc_pre_fwd(x, fn, base, scale, int(iters), float(eps), float(norm_eps))
+    return u, post, comb
+
+
+# ----------------------------------------------------------------------------------------------- hc_post
+@torch.library.custom_op("dsv4::hc_post_fwd", mutates_args=())
+def hc_post_fwd(x: Tensor, out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    return T._HcPost.forward(FnCtx(), x, out, post, comb)
+
+
+@hc_post_fwd.register_fake
+def _(x, out, post, comb):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("dsv4::hc_post_bwd", mutates_args=())
+def hc_post_bwd(dy: Tensor, x: Tensor, out: Tensor, post: Tensor,
+                comb: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    ctx = FnCtx()                                      # what _HcPost.forward leaves
+    ctx.save_for_backward(x.contiguous(), out.contiguous(), post.float().contiguous(), comb.float().contiguous())
+    ctx.dts = (out.dtype, post.dtype, comb.dtype)
+    return T._HcPost.backward(ctx, dy)
+
+
+@hc_post_bwd.register_fake
+def _(dy, x, out, post, comb):
+    return x.new_empty(x.shape), out.new_empty(out.shape), post.new_empty(post.shape), comb.new_empty(comb.shape)
+
+
+def _post_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _post_backward(ctx, dy):
+    return torch.ops.dsv4.hc_post_bwd(dy, *ctx.saved_tensors)
+
+
+hc_post_fwd.register_autograd(_post_backward, setup_context=_post_setup)
+
+
+def hc_post(x: Tensor, out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    """X'[k] = post[k]·out + Σ_j comb[j,k] X[j]; [N,n,d] in x's dtype; same contract as `naive.hc_post`."""
+    N, n, d = x.shape
+    if tuple(out.shape) != (N, d) or tuple(post.shape) != (N, n) or tuple(comb.shape) != (N, n, n):
+        raise ValueError(f"hc_post: shapes x {tuple(x.shape)}, out {tuple(out.shape)}, post {tuple(post.shape)}, "
+                         f"comb {tuple(comb.shape)} do not match [N,n,d], [N,d], [N,n], [N,n,n]")
+    return torch.ops.dsv4.hc_post_fwd(x, out, post, comb)

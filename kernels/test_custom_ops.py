@@ -1,0 +1,52 @@
+"""The Triton ops are torch custom ops (`dsv4::*`, kernels/<op>/op.py) with consistent fake implementations and
+registered autograd (`torch.library.opcheck`: schema, fake tensors, autograd registration, AOT dispatch), and
+`kernels.get_op` is the one dispatch with one-line capability errors. CPU: Triton's interpreter, tiny shapes."""
+from dsv4.kernels._testing import CUDA, use_interpreter
+
+use_interpreter()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+import dsv4.kernels as K  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _r(*s, grad=True, dtype=torch.float32):
+    return torch.randn(*s, device=DEV, dtype=dtype).requires_grad_(grad)
+
+
+def _cases():
+    torch.manual_seed(0)
+    S, B, H, c, ratio = 9, 1, 2, 16, 4
+    idx = torch.tensor([[0, -1], [1, 0]], device=DEV).repeat(S // 2 + 1, 1)[:S].view(S, B, 2)
+    N, n, d = 5, 4, 8
+    yield "sparse_attn_fwd", (_r(S, B, H, c), _r(S, B, c), _r(S // ratio, B, c), idx, _r(H), 4, ratio, 0.25)
+    yield "sparse_attn_fwd", (_r(S, B, H, c), _r(S, B, c), None, None, _r(H), 4, 0, 0.25)
+    yield "compress_pool_fwd", (_r(8, B, 2 * c), _r(8, B, 2 * c), _r(4, 2 * c), 4, True)
+    yield "indexer_scores_fwd", (_r(S, B, 2, c), _r(S // ratio, B, c), _r(S, B, 2), ratio)
+    yield "hc_pre_fwd", (_r(N, n, d), _r((2 + n) * n, n * d), _r((2 + n) * n), _r(3), 3, 1e-6, 1e-6)
+    yield "hc_post_fwd", (_r(N, n, d), _r(N, d), _r(N, n), _r(N, n, n))
+    yield "clamped_swiglu_fwd", (_r(6, 8), _r(6, 8), 0.5)
+
+
+def test_opcheck_every_triton_custom_op():
+    K.prepare("triton", torch.device(DEV))
+    seen = set()
+    for name, args in _cases():
+        seen.add(name)
+        torch.library.opcheck(getattr(torch.ops.dsv4, name).default, args)
+    assert seen == {n for n in dir(torch.ops.dsv4) if n.endswith("_fwd")}
+
+
+def test_get_op_names_what_is_missing(monkeypatch):
+    with pytest.raises(ValueError, match="unknown backend 'cuda'; known: naive, triton"):
+        K.get_op("sparse_attn", "cuda")
+    with pytest.raises(ValueError, match="unknown op 'attn'"):
+        K.get_op("attn", "naive")
+    monkeypatch.setitem(K._TRITON, "on_cpu", False)       # a process whose Triton kernels are compiled for GPUs
+    with pytest.raises(K.KernelUnavailable, match="backend 'triton' needs CUDA or TRITON_INTERPRET=1"):
+        K.get_op("hc_post", "triton", torch.device("cpu"))
+    assert K.get_op("hc_post", "naive", torch.device("cpu")) is not None
