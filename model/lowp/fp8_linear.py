@@ -1,0 +1,219 @@
+"""FP8 linear layer (slice X1): e4m3 forward and backward GEMM operands, high-precision master weights.
+
+GEMMs of y = x W^T (x [M, K], W [N, K], no bias), following DeepSeek-V3's recipe in "blockwise" mode:
+    fprop  y  = x  · W^T     x tiles 1x128 along K,      W blocks 128x128
+    dgrad  dx = dy · W       dy tiles 1x128 along N,     W blocks 128x128 (the forward quantisation of W)
+    wgrad  dW = dy^T · x     dy^T and x^T tiles 1x128 along M (the tokens: DeepSeek's 128x1 tiles)
+and one scale per operand in "tensor" mode. Scales are ue8m0 (powers of two, DeepSeek-V4) or fp32
+(amax / 448). The operands are quantised exactly (model/lowp/quant.py); the GEMM then runs as:
+  * CPU / "emulate": fp32 matmul of the dequantised operands (with power-of-two scales every product is exact,
+    only the fp32 summation order differs from an FP8 tensor core);
+  * CUDA, tensor mode: `torch._scaled_mm` (e4m3 operands, second one column-major, dims multiples of 16),
+    a true FP8 GEMM;
+  * CUDA, blockwise: `torch._scaled_mm` with 1x128 / 128x128 scales when a one-time probe shows this torch
+    build supports it on this device and matches the emulation (`blockwise_scaled_mm_ok`); otherwise the
+    dequantised operands are multiplied in bf16 (exact dequantisation for ue8m0 scales, fp32 accumulation,
+    bf16 output): an emulation at bf16 speed, NOT an FP8 speed-up. `LAST_PATH` records what ran.
+Gradients: dx in x's dtype, dW in the master weight's dtype (fp32 masters stay fp32).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.model.lowp.quant import QTensor, quantize
+
+TILE = 128
+LAST_PATH: dict[str, str] = {}          # "fprop" | "dgrad" | "wgrad" -> "emulate" | "scaled_mm" | "bf16-dequant"
+_BLOCKWISE_OK: dict[str, bool] = {}
+
+
+@dataclass(frozen=True)
+class FP8Config:
+    scaling: str = "blockwise"          # "blockwise" (1x128 activations, 128x128 weights) | "tensor"
+    fwd_fmt: str = "e4m3"               # x and W
+    bwd_fmt: str = "e4m3"               # dy (DeepSeek: e4m3 everywhere; "e5m2" = the hybrid recipe)
+    scale_format: str = "ue8m0"         # "ue8m0" | "fp32"
+    out_dtype: torch.dtype | None = None   # None: x's dtype
+    backend: str = "auto"               # "auto" (scaled_mm on CUDA where possible) | "emulate"
+
+    def __post_init__(self):
+        if self.scaling not in ("blockwise", "tensor"):
+            raise ValueError(f"FP8Config.scaling: blockwise|tensor, got {self.scaling!r}")
+        if self.backend not in ("auto", "emulate"):
+            raise ValueError(f"FP8Config.backend: auto|emulate, got {self.backend!r}")
+
+
+def _q_act(t: torch.Tensor, fmt: str, cfg: FP8Config) -> QTensor:
+    """Operand quantised along its last (contraction) dim: 1x128 tiles, or per tensor."""
+    return quantize(t, fmt, (1, TILE) if cfg.scaling == "blockwise" else None, cfg.scale_format)
+
+
+def _q_weight(w: torch.Tensor, cfg: FP8Config) -> QTensor:
+    return quantize(w, cfg.fwd_fmt, (TILE, TILE) if cfg.scaling == "blockwise" else None, cfg.scale_format)
+
+
+def _t(q: QTensor) -> QTensor:
+    """Transpose a 2-D QTensor (values and block grid)."""
+    blk = None if q.block is None else (q.block[1], q.block[0])
+    return QTensor(q.values.t(), q.scale if q.block is None else q.scale.t(), q.fmt, blk)
+
+
+def _aligned(*dims: int) -> bool:
+    return all(d % 16 == 0 for d in dims)
+
+
+def _scaled_mm_tensor(a: QTensor, b: QTensor, out_dtype) -> torch.Tensor:
+    """a [M, K], b [N, K], per-tensor scales -> a b^T via cuBLAS FP8."""
+    af = a.fp8().contiguous()
+    bf = b.fp8().contiguous().t()                                     # [K, N] column-major
+    return torch._scaled_mm(af, bf, scale_a=a.scale.float().reshape(()), scale_b=b.scale.float().reshape(()),
+                            out_dtype=out_dtype)
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous().t()
+
+
+# candidate scale layouts for torch's blockwise _scaled_mm (its contract has moved between releases):
+# (name, scale_a(a), scale_b(b)); the probe keeps the first that runs and agrees with the emulation.
+_LAYOUTS = [
+    ("a[M,K/128] col-major, b as stored", lambda a: _col_major(a.scale), lambda b: b.scale.contiguous()),
+    ("a[M,K/128] col-major, b col-major", lambda a: _col_major(a.scale), lambda b: _col_major(b.scale)),
+    ("a[M,K/128] col-major, b^T", lambda a: _col_major(a.scale), lambda b: b.scale.t().contiguous()),
+    ("a[M,K/128] row-major, b as stored", lambda a: a.scale.contiguous(), lambda b: b.scale.contiguous()),
+    ("a[M,K/128] row-major, b^T", lambda a: a.scale.contiguous(), lambda b: b.scale.t().contiguous()),
+]
+BLOCKWISE_LAYOUT: dict[str, dict] = {}     # device -> {"128x128": name|None, "1x128": name|None, "errors": [...]}
+
+
+def _scaled_mm_block(a: QTensor, b: QTensor, out_dtype, layout) -> torch.Tensor:
+    """a [M, K] with 1x128 scales [M, K/128]; b [N, K] with 128x128 [N/128, K/128] or 1x128 [N, K/128] scales."""
+    _, fa, fb = layout
+    return torch._scaled_mm(a.fp8().contiguous(), b.fp8().contiguous().t(), scale_a=fa(a).float(),
+                            scale_b=fb(b).float(), out_dtype=out_dtype)
+
+
+def _probe_blockwise(device: torch.device) -> dict:
+    """Which _LAYOUTS entry (if any) runs blockwise _scaled_mm on `device` and matches the emulation (max error
+    <= 1e-2 of max |ref| on a 256x256x256 product), separately for 128x128 and 1x128 second operands."""
+    key = str(device)
+    if key not in BLOCKWISE_LAYOUT:
+        res = {"128x128": None, "1x128": None, "errors": []}
+        if device.type == "cuda" and hasattr(torch, "_scaled_mm"):
+            g = torch.Generator(device="cpu").manual_seed(0)
+            x = torch.randn(256, 256, generator=g).to(device)
+            w = torch.randn(256, 256, generator=g).to(device)
+            cfg = FP8Config()
+            a = _q_act(x, "e4m3", cfg)
+            for kind, b in (("128x128", _q_weight(w, cfg)), ("1x128", _q_act(w, "e4m3", cfg))):
+                ref = emulated_gemm(a, b)
+                for lay in _LAYOUTS:
+                    try:
+                        got = _scaled_mm_block(a, b, torch.bfloat16, lay).float()
+                        err = float((got - ref).abs().max() / ref.abs().max())
+                        if err <= 1e-2:
+                            res[kind] = lay[0]
+                            break
+                        res["errors"].append(f"{kind} {lay[0]}: rel err {err:.3g}")
+                    except Exception as e:  # noqa: BLE001 - unsupported layout / build / arch
+                        res["errors"].append(f"{kind} {lay[0]}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        BLOCKWISE_LAYOUT[key] = res
+    return BLOCKWISE_LAYOUT[key]
+
+
+def blockwise_scaled_mm_ok(device: torch.device, kind: str = "128x128") -> bool:
+    return _probe_blockwise(device)[kind] is not None
+
+
+def _layout(device, kind):
+    name = _probe_blockwise(device)[kind]
+    return next(l for l in _LAYOUTS if l[0] == name)
+
+
+def fp8_gemm(a: QTensor, b: QTensor, out_dtype: torch.dtype, cfg: FP8Config, tag: str = "gemm") -> torch.Tensor:
+    """a [M, K] (1x128 or per-tensor), b [N, K] (128x128, 1x128 or per-tensor) quantised -> a b^T [M, N]."""
+    M, K = a.values.shape
+    N = b.values.shape[0]
+    dev = a.values.device
+    if dev.type == "cuda" and cfg.backend == "auto" and hasattr(torch, "_scaled_mm") and _aligned(M, N, K):
+        if cfg.scaling == "tensor":
+            LAST_PATH[tag] = "scaled_mm"
+            return _scaled_mm_tensor(a, b, out_dtype)
+        kind = "128x128" if b.block == (TILE, TILE) else "1x128"
+        if K % TILE == 0 and N % TILE == 0 and blockwise_scaled_mm_ok(dev, kind):
+            LAST_PATH[tag] = "scaled_mm"
+            return _scaled_mm_block(a, b, torch.bfloat16, _layout(dev, kind)).to(out_dtype)
+    if dev.type == "cuda" and cfg.backend == "auto":
+        LAST_PATH[tag] = "bf16-dequant"
+        return (a.dequantize(torch.bfloat16) @ b.dequantize(torch.bfloat16).t()).to(out_dtype)
+    LAST_PATH[tag] = "emulate"
+    return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
+
+
+def emulated_gemm(a: QTensor, b: QTensor) -> torch.Tensor:
+    """The reference: fp32 matmul of the dequantised operands."""
+    return a.dequantize() @ b.dequantize().t()
+
+
+class _FP8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, cfg: FP8Config):
+        out_dtype = cfg.out_dtype or x2.dtype
+        qw = _q_weight(weight, cfg)
+        y = fp8_gemm(_q_act(x2, cfg.fwd_fmt, cfg), qw, out_dtype, cfg, "fprop")
+        ctx.save_for_backward(x2, weight)
+        ctx.cfg = cfg
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x2, weight = ctx.saved_tensors
+        cfg = ctx.cfg
+        dx = dw = None
+        acc = torch.promote_types(x2.dtype, torch.float32)
+        if ctx.needs_input_grad[0]:
+            qw_t = _t(_q_weight(weight, cfg))                                # W^T [K, N], same blocks as fprop
+            dx = fp8_gemm(_q_act(gy, cfg.bwd_fmt, cfg), qw_t, acc, cfg, "dgrad").to(x2.dtype)
+        if ctx.needs_input_grad[1]:
+            a = _q_act(gy.t(), cfg.bwd_fmt, cfg)                             # dy^T [N, M], tiles along M
+            b = _q_act(x2.t(), cfg.fwd_fmt, cfg)                             # x^T  [K, M], tiles along M
+            dw = fp8_gemm(a, b, acc, cfg, "wgrad").to(weight.dtype)
+        return dx, dw, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cfg: FP8Config = FP8Config()) -> torch.Tensor:
+    """x [..., K], weight [N, K] -> [..., N] through FP8 GEMMs (forward and backward)."""
+    lead = x.shape[:-1]
+    y = _FP8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, cfg)
+    return y.reshape(*lead, weight.shape[0])
+
+
+class FP8Linear(nn.Linear):
+    """nn.Linear whose GEMMs run in FP8; the weight Parameter (the master) is the one of the replaced layer."""
+
+    def __init__(self, in_features: int, out_features: int, cfg: FP8Config = FP8Config(), device=None,
+                 dtype=None):
+        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+        self.fp8 = cfg
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, cfg: FP8Config) -> "FP8Linear":
+        if lin.bias is not None:
+            raise ValueError("FP8Linear: layers with a bias are not supported (DSv4 has none)")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = lin.in_features, lin.out_features
+        new.weight = lin.weight                                              # the same Parameter object
+        new.register_parameter("bias", None)
+        new.fp8 = cfg
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.fp8)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", fp8={self.fp8.scaling}/{self.fp8.fwd_fmt}/{self.fp8.scale_format}"
