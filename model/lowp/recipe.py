@@ -97,6 +97,7 @@ class PrecisionReport:
     fp8: list[str] = field(default_factory=list)          # Linear paths now FP8Linear
     kept: dict[str, str] = field(default_factory=dict)    # Linear path -> why it stays high precision
     experts: list[str] = field(default_factory=list)      # Experts paths with MXFP4 QAT
+    notes: list[str] = field(default_factory=list)        # what the recipe asked for but this hook does not do
 
 
 # ------------------------------------------------------------------ MXFP4 QAT of the routed experts
@@ -198,4 +199,7 @@ def apply_precision_recipe(model: nn.Module, recipe: PrecisionRecipe | str) -> P
         parent = model.get_submodule(parent_path) if parent_path else model
         setattr(parent, child, FP8Linear.from_linear(mod, recipe.fp8))
         rep.fp8.append(path)
+    if recipe.indexer_qk == "fp4":
+        rep.notes.append("indexer_qk=fp4 is not wired into Indexer.forward (model/indexer.py calls "
+                         "kernels.indexer.indexer_scores); use kernels/indexer/fp4.indexer_scores_fp4 directly")
     return rep

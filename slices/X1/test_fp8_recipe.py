@@ -68,6 +68,7 @@ def test_recipe_swaps_only_allowed_linears_and_keeps_high_precision_untouched():
     torch.manual_seed(0)
     m = build_model("debug")
     rep = apply_precision_recipe(m, get_recipe("fp4_qat"))
+    assert len(rep.notes) == 1 and "indexer_qk=fp4" in rep.notes[0]        # said, not silently dropped
     m.to(torch.bfloat16)
     ref.to(torch.bfloat16)
     mods = dict(m.named_modules())
