@@ -219,3 +219,16 @@ def test_debug_model_trains_in_fp8_emulation_close_to_fp32():
         assert d <= tol, (name, d)
         assert d > 1e-4, (name, d)                                   # the low-precision path was really taken
         assert got[-1] < got[0] - 0.4
+
+
+def test_gpu_check_script_runs_its_cpu_parts():
+    """kernels/lowp_gpu_check.py on the CPU (no timings, no scaled_mm claims): the report has the fields the
+    H200 run fills, the CPU quantisation is bit-exact with itself and the emulation matches fp64 closely."""
+    from dsv4.kernels import lowp_gpu_check as C
+    r = C.check_shape(256, 256, 128, torch.device("cpu"), timing=False)
+    assert r["tensor_quant_bitexact_vs_cpu"] and r["blockwise_quant_bitexact_vs_cpu"]
+    assert r["blockwise_emulation_fp32"]["max_rel"] < 1e-5 and r["tensor_emulation_fp32"]["max_rel"] < 1e-5
+    assert "block_bf16_dequant_fallback" in r
+    lin = C.check_linear(torch.device("cpu"), 128, 256, 128)
+    assert lin["blockwise"]["y"]["max_abs"] == 0 and lin["tensor"]["dw"]["max_abs"] == 0
+    assert C.main(["--no-timing"]) in (0, 2)
