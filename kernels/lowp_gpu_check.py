@@ -122,7 +122,7 @@ def check_linear(dev, M=1024, K=2048, N=512) -> dict:
         cfg = L.FP8Config(scaling=mode, scale_format=sf)
         outs = {}
         for d in ("cpu", dev):
-            xr, wr = x.to(d).requires_grad_(), w.to(d).requires_grad_()
+            xr, wr = x.to(d).detach().clone().requires_grad_(), w.to(d).detach().clone().requires_grad_()
             y = L.fp8_linear(xr, wr, cfg)
             y.backward(gy.to(d))
             outs[str(d)] = (y.detach().cpu(), xr.grad.cpu(), wr.grad.cpu(), dict(L.LAST_PATH))
