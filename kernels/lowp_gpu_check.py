@@ -72,6 +72,7 @@ def check_shape(M, K, N, dev, timing=True) -> dict:
     res = {}
     for mode, blk_x, blk_w, sf in (("tensor", None, None, "fp32"), ("blockwise", (1, 128), (128, 128), "ue8m0")):
         qx, qw = quantize(xd, "e4m3", blk_x, sf), quantize(wd, "e4m3", blk_w, sf)
+        res[f"{mode}_quant_cast_equals_formula"] = _same_q(qx, quantize(xd, "e4m3", blk_x, sf, method="formula"))
         res[f"{mode}_quant_bitexact_vs_cpu"] = _same_q(qx, quantize(x, "e4m3", blk_x, sf)) and \
             _same_q(qw, quantize(w, "e4m3", blk_w, sf))
         ref = qx.dequantize().double() @ qw.dequantize().double().t()
@@ -105,6 +106,7 @@ def check_shape(M, K, N, dev, timing=True) -> dict:
                 lay = L._layout(dev, "128x128")
                 res["tflops_scaled_mm_block"] = 2 * M * N * K / _time(
                     lambda: L._scaled_mm_block(qx, qw, torch.bfloat16, lay)) / 1e12
+            res[f"ms_quantize_x_{mode}"] = 1e3 * _time(lambda: quantize(xd.bfloat16(), "e4m3", blk_x, sf))
             res[f"tflops_fp8linear_{mode}_fwd_incl_quant"] = 2 * M * N * K / _time(
                 lambda: L.fp8_linear(xd.bfloat16(), wd, L.FP8Config(scaling=mode, scale_format=sf))) / 1e12
     out.update(res)

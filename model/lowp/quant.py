@@ -18,6 +18,11 @@ Scales (always applied as  x ≈ q * scale):
 amax = 0 (or an all-padding block) gives scale 1 ("fp32") / 2^-127 (power-of-two rules, smallest e8m0).
 Power-of-two exponents are clamped to e8m0's range [-127, 127] (code = exponent + 127; 255 = NaN).
 
+Divisions are tensor / tensor on purpose: CUDA turns a division by a Python scalar into a multiplication by
+its reciprocal, which is not correctly rounded (seen on the H200: per-tensor fp32 scales differed from the CPU's).
+e4m3 / e5m2 elements are rounded by torch's float8 cast after the saturating clamp (RNE; equal to the formula,
+which `round_to_format(..., method="formula")` keeps and the tests compare against the oracle); e2m1 by the formula.
+
 Block layouts (`block`): None = one scale for the tensor; (1, 128) = activation tiles along the last dim
 (DeepSeek-V3's 1x128); (128, 128) = weight blocks over the last two dims; (1, 32) = MX blocks. Sizes that are
 not multiples of the block are padded with zeros for the scale computation only.
@@ -38,10 +43,18 @@ TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 E8M0_MIN, E8M0_MAX = -127, 127
 
 
-def round_to_format(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """x (any float dtype) -> fp32 tensor of values of `fmt`'s grid: RNE, saturating, NaN kept."""
+def round_to_format(x: torch.Tensor, fmt: str, method: str = "auto") -> torch.Tensor:
+    """x (any float dtype) -> fp32 tensor of values of `fmt`'s grid: RNE, saturating, NaN kept.
+    method "formula" (any format), "cast" (e4m3 / e5m2: clamp then torch's float8 cast), "auto" (cast if
+    possible)."""
     m, emin, vmax, _ = FORMATS[fmt]
     x = x.float()
+    if method == "auto":
+        method = "cast" if fmt in TORCH_FP8 else "formula"
+    if method == "cast":
+        return torch.clamp(x, -vmax, vmax).to(TORCH_FP8[fmt]).float()       # clamp: ±Inf -> ±vmax, NaN kept
+    if method != "formula":
+        raise ValueError(f"round_to_format: unknown method {method!r} (auto|cast|formula)")
     _, ex = torch.frexp(x)                                   # x = mant * 2^ex, mant in [0.5, 1)
     e = torch.clamp(ex - 1, min=emin)                        # floor(log2|x|), at least emin
     quantum = torch.ldexp(torch.ones_like(x), (e - m).to(torch.int32))
@@ -61,7 +74,7 @@ def pow2_exponent(amax: torch.Tensor, fmt: str, rule: str) -> torch.Tensor:
     _, _, vmax, emax = FORMATS[fmt]
     a = amax.double()                                        # fp64: amax / vmax must not underflow
     if rule == "ue8m0":                                      # 2^ceil(log2(amax / vmax)): no saturation
-        r = a / vmax
+        r = a / torch.full_like(a, vmax)                     # tensor / tensor: correctly rounded on CUDA too
         mant, ex = torch.frexp(r)                            # r = mant * 2^ex, mant in [0.5, 1)
         e = torch.where(mant == 0.5, ex - 1, ex)             # exact ceil(log2 r)
     elif rule == "ocp":                                      # floor(log2 amax) - emax
@@ -98,7 +111,7 @@ class QTensor:
     block: tuple[int, int] | None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.values * expand_scale(self.scale, self.block, self.values.shape)).to(dtype)
+        return apply_scale(self.values, self.scale, self.block, "mul").to(dtype)
 
     def fp8(self) -> torch.Tensor:
         return to_torch_fp8(self.values, self.fmt)
@@ -127,6 +140,18 @@ def expand_scale(scale: torch.Tensor, block: tuple[int, int] | None, shape) -> t
     return s[0] if one_d else s
 
 
+def apply_scale(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, op: str) -> torch.Tensor:
+    """x * scale or x / scale, each block by its scale, broadcasting over a block view (no expanded copy
+    of the scales; a padded copy of x only when its shape is not a multiple of the block)."""
+    if block is None:
+        return x * scale if op == "mul" else x / scale
+    xb, (R, C) = _blocks(x, block)
+    sb = scale[..., :, None, :, None]
+    yb = xb * sb if op == "mul" else xb / sb
+    y = yb.reshape(*yb.shape[:-4], yb.shape[-4] * yb.shape[-3], yb.shape[-2] * yb.shape[-1])[..., :R, :C]
+    return y.reshape(x.shape)
+
+
 def block_amax(x: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(amax of the finite values, any-non-finite flag) per block; x fp32."""
     fin = torch.isfinite(x)
@@ -139,7 +164,7 @@ def block_amax(x: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Te
 
 
 def quantize(x: torch.Tensor, fmt: str = "e4m3", block: tuple[int, int] | None = (1, 128),
-             scale_format: str = "ue8m0") -> QTensor:
+             scale_format: str = "ue8m0", method: str = "auto") -> QTensor:
     """Scaled quantisation of x to `fmt` (see the module doc): scale per block, values = round(x / scale)."""
     if fmt not in FORMATS:
         raise ValueError(f"quantize: unknown format {fmt!r}; known: {', '.join(FORMATS)}")
@@ -147,14 +172,14 @@ def quantize(x: torch.Tensor, fmt: str = "e4m3", block: tuple[int, int] | None =
     amax, nonfinite = block_amax(x, block)
     vmax = FORMATS[fmt][2]
     if scale_format == "fp32":
-        scale = torch.where(amax > 0, amax / vmax, torch.ones_like(amax))
+        scale = torch.where(amax > 0, amax / torch.full_like(amax, vmax), torch.ones_like(amax))
     elif scale_format in ("ue8m0", "ocp"):
         scale = torch.ldexp(torch.ones_like(amax), pow2_exponent(amax, fmt, scale_format))
     else:
         raise ValueError(f"quantize: unknown scale_format {scale_format!r} (fp32|ue8m0|ocp)")
     if fmt == "e2m1":                          # no NaN / Inf code: the block's scale becomes NaN (OCP MX)
         scale = torch.where(nonfinite, torch.full_like(scale, float("nan")), scale)
-    values = round_to_format(x / expand_scale(scale, block, x.shape), fmt)
+    values = round_to_format(apply_scale(x, scale, block, "div"), fmt, method)
     if fmt == "e2m1":
         values = torch.nan_to_num(values, nan=0.0)           # the NaN lives in the scale
     return QTensor(values, scale, fmt, block)
