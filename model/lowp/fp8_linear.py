@@ -78,16 +78,28 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
-# candidate scale layouts for torch's blockwise _scaled_mm (its contract has moved between releases):
-# (name, scale_a(a), scale_b(b)); the probe keeps the first that runs and agrees with the emulation.
+def _inner_major_aligned(t: torch.Tensor) -> torch.Tensor:
+    """t [R, C] as a row-major view whose row stride is padded to a multiple of 4 floats (16 bytes)."""
+    R, C = t.shape
+    buf = torch.zeros(R, -(-C // 4) * 4, dtype=torch.float32, device=t.device)
+    buf[:, :C] = t
+    return buf[:, :C]
+
+
+# Candidate scale layouts for torch's blockwise _scaled_mm (its contract moves between releases); each is
+# (name, scale_a(a), scale_b(b)) for a [M, K] with 1x128 scales [M, K/128] and b = W [N, K] with 128x128
+# [N/128, K/128] or 1x128 [N, K/128] scales. The first is torch 2.11's stated SM90 contract: scale_a (M, K/128)
+# outer-dim-major; scale_b (K/128, N/128) near-inner-dim-major with 16-byte aligned strides (128x128) or
+# (K/128, N) (1x128). The probe keeps the first that runs AND matches the emulation on operands whose block
+# scales all differ, so a transposed interpretation cannot pass.
 _LAYOUTS = [
-    ("a[M,K/128] col-major, b as stored", lambda a: _col_major(a.scale), lambda b: b.scale.contiguous()),
-    ("a[M,K/128] col-major, b col-major", lambda a: _col_major(a.scale), lambda b: _col_major(b.scale)),
-    ("a[M,K/128] col-major, b^T", lambda a: _col_major(a.scale), lambda b: b.scale.t().contiguous()),
-    ("a[M,K/128] row-major, b as stored", lambda a: a.scale.contiguous(), lambda b: b.scale.contiguous()),
-    ("a[M,K/128] row-major, b^T", lambda a: a.scale.contiguous(), lambda b: b.scale.t().contiguous()),
-    ("a[M,K/128] col-major, b^T view", lambda a: _col_major(a.scale), lambda b: b.scale.t()),
-    ("a[M,K/128] row-major, b^T view", lambda a: a.scale.contiguous(), lambda b: b.scale.t()),
+    ("torch 2.11: a (M,K/128) col-major; b (K/128,N/128) row-major 16B-aligned | (K/128,N) row-major",
+     lambda a: _col_major(a.scale),
+     lambda b: _inner_major_aligned(b.scale.t()) if b.block == (128, 128) else b.scale.t().contiguous()),
+    ("a col-major; b^T contiguous", lambda a: _col_major(a.scale), lambda b: b.scale.t().contiguous()),
+    ("a col-major; b^T view", lambda a: _col_major(a.scale), lambda b: b.scale.t()),
+    ("a col-major; b as stored", lambda a: _col_major(a.scale), lambda b: b.scale.contiguous()),
+    ("a row-major; b^T contiguous", lambda a: a.scale.contiguous(), lambda b: b.scale.t().contiguous()),
 ]
 BLOCKWISE_LAYOUT: dict[str, dict] = {}     # device -> {"128x128": name|None, "1x128": name|None, "errors": [...]}
 
@@ -101,14 +113,20 @@ def _scaled_mm_block(a: QTensor, b: QTensor, out_dtype, layout) -> torch.Tensor:
 
 def _probe_blockwise(device: torch.device) -> dict:
     """Which _LAYOUTS entry (if any) runs blockwise _scaled_mm on `device` and matches the emulation (max error
-    <= 1e-2 of max |ref| on a 256x512 @ 512x512 product; K/128 = 4 so no scale padding rule can bite), separately for 128x128 and 1x128 second operands."""
+    <= 1e-2 of max |ref| on a 256x512 @ 512x1024 product whose blocks have distinct power-of-two scales),
+    separately for 128x128 and 1x128 second operands."""
     key = str(device)
     if key not in BLOCKWISE_LAYOUT:
         res = {"128x128": None, "1x128": None, "errors": []}
         if device.type == "cuda" and hasattr(torch, "_scaled_mm"):
             g = torch.Generator(device="cpu").manual_seed(0)
-            x = torch.randn(256, 512, generator=g).to(device)
-            w = torch.randn(512, 512, generator=g).to(device)
+            M, K, N = 256, 512, 1024          # non-square block grids: a transposed scale grid has the wrong shape
+            x = torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-8, 8, (M, K // 128), generator=g)
+                                                            .float()).repeat_interleave(128, 1)
+            ws = torch.exp2(torch.randint(-8, 8, (N // 128, K // 128), generator=g).float())
+            w = torch.randn(N, K, generator=g) * ws.repeat_interleave(128, 0).repeat_interleave(128, 1)
+            w = w * torch.exp2(torch.randint(-3, 3, (N, 1), generator=g).float())   # distinct 1x128 scales too
+            x, w = x.to(device), w.to(device)
             cfg = FP8Config()
             a = _q_act(x, "e4m3", cfg)
             for kind, b in (("128x128", _q_weight(w, cfg)), ("1x128", _q_act(w, "e4m3", cfg))):
