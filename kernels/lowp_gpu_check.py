@@ -87,8 +87,11 @@ def check_shape(M, K, N, dev, timing=True) -> dict:
                     res[f"tensor_scaled_mm_{str(od)[6:]}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         else:
             if L.blockwise_scaled_mm_ok(dev, "128x128"):
-                y = L._scaled_mm_block(qx, qw, torch.bfloat16, L._layout(dev, "128x128"))
-                res["block_scaled_mm_bf16"] = _err(y.float(), ref)
+                try:
+                    y = L._scaled_mm_block(qx, qw, torch.bfloat16, L._layout(dev, "128x128"))
+                    res["block_scaled_mm_bf16"] = _err(y.float(), ref)
+                except Exception as e:  # noqa: BLE001
+                    res["block_scaled_mm_bf16"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             res["block_bf16_dequant_fallback"] = _err(
                 (qx.dequantize(torch.bfloat16) @ qw.dequantize(torch.bfloat16).t()).float(), ref)
         if timing and dev.type == "cuda":
@@ -102,7 +105,7 @@ def check_shape(M, K, N, dev, timing=True) -> dict:
                     res["tflops_scaled_mm_tensor"] = f"error: {type(e).__name__}"
                 xb, wb = xd.bfloat16(), wd.bfloat16().t()
                 res["tflops_bf16_matmul"] = 2 * M * N * K / _time(lambda: xb @ wb) / 1e12
-            elif L.blockwise_scaled_mm_ok(dev, "128x128"):
+            elif L.blockwise_scaled_mm_ok(dev, "128x128") and "error" not in res.get("block_scaled_mm_bf16", {}):
                 lay = L._layout(dev, "128x128")
                 res["tflops_scaled_mm_block"] = 2 * M * N * K / _time(
                     lambda: L._scaled_mm_block(qx, qw, torch.bfloat16, lay)) / 1e12
