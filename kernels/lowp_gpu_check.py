@@ -132,7 +132,7 @@ def check_linear(dev, M=1024, K=2048, N=512) -> dict:
             y.backward(gy.to(d))
             outs[str(d)] = (y.detach().cpu(), xr.grad.cpu(), wr.grad.cpu(), dict(L.LAST_PATH))
         c, u = outs["cpu"], outs[str(dev)]
-        res[mode] = {"paths": u[3], "y": _err(u[0], c[0].double()), "dx": _err(u[1], c[1].double()),
+        res[mode] = {"paths": u[3], "scaled_mm_failures": list(L.SCALED_MM_FAILURES), "y": _err(u[0], c[0].double()), "dx": _err(u[1], c[1].double()),
                      "dw": _err(u[2], c[2].double())}
     return res
 
@@ -159,9 +159,11 @@ def main(argv=None) -> int:
     rep["capability"] = list(torch.cuda.get_device_capability(dev))
     rep["has_scaled_mm"] = hasattr(torch, "_scaled_mm")
     rep["blockwise_probe"] = L._probe_blockwise(dev)
+    print(json.dumps(rep["blockwise_probe"]), file=sys.stderr, flush=True)
     shapes = SHAPES if a.shapes is None else [tuple(int(v) for v in s.split(",")) for s in a.shapes.split(";")]
     rep["gemms"] = [check_shape(*s, dev, timing=not a.no_timing) for s in shapes]
     rep["fp8_linear_vs_cpu"] = check_linear(dev)
+    rep["scaled_mm_failures"] = list(L.SCALED_MM_FAILURES)
     rep["status"] = "done"
     txt = json.dumps(rep, indent=1)
     print(txt)

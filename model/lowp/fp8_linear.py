@@ -28,7 +28,7 @@ from dsv4.model.lowp.quant import QTensor, quantize
 
 TILE = 128
 LAST_PATH: dict[str, str] = {}          # "fprop" | "dgrad" | "wgrad" -> "emulate" | "scaled_mm" | "bf16-dequant"
-_BLOCKWISE_OK: dict[str, bool] = {}
+SCALED_MM_FAILURES: list[str] = []     # blockwise scaled_mm calls that failed after a passing probe
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,11 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def _col_major_aligned(t: torch.Tensor) -> torch.Tensor:
+    """t [R, C] as a column-major view whose column stride (leading dim) is padded to a multiple of 4 floats."""
+    return _inner_major_aligned(t.t()).t()
+
+
 def _inner_major_aligned(t: torch.Tensor) -> torch.Tensor:
     """t [R, C] as a row-major view whose row stride is padded to a multiple of 4 floats (16 bytes)."""
     R, C = t.shape
@@ -93,6 +98,9 @@ def _inner_major_aligned(t: torch.Tensor) -> torch.Tensor:
 # (K/128, N) (1x128). The probe keeps the first that runs AND matches the emulation on operands whose block
 # scales all differ, so a transposed interpretation cannot pass.
 _LAYOUTS = [
+    ("a (M,K/128) col-major; b (K/128,N/128) K-major 16B-aligned | (K/128,N) row-major",
+     lambda a: _col_major(a.scale),
+     lambda b: _col_major_aligned(b.scale.t()) if b.block == (128, 128) else b.scale.t().contiguous()),
     ("torch 2.11: a (M,K/128) col-major; b (K/128,N/128) row-major 16B-aligned | (K/128,N) row-major",
      lambda a: _col_major(a.scale),
      lambda b: _inner_major_aligned(b.scale.t()) if b.block == (128, 128) else b.scale.t().contiguous()),
@@ -165,8 +173,12 @@ def fp8_gemm(a: QTensor, b: QTensor, out_dtype: torch.dtype, cfg: FP8Config, tag
             return _scaled_mm_tensor(a, b, out_dtype)
         kind = "128x128" if b.block == (TILE, TILE) else "1x128"
         if K % TILE == 0 and N % TILE == 0 and blockwise_scaled_mm_ok(dev, kind):
-            LAST_PATH[tag] = "scaled_mm"
-            return _scaled_mm_block(a, b, torch.bfloat16, _layout(dev, kind)).to(out_dtype)
+            try:
+                y = _scaled_mm_block(a, b, torch.bfloat16, _layout(dev, kind)).to(out_dtype)
+                LAST_PATH[tag] = "scaled_mm"
+                return y
+            except RuntimeError as e:       # a shape the probe did not cover: record it, use the fallback
+                SCALED_MM_FAILURES.append(f"{tag} {kind} M{M} K{K} N{N}: {str(e).splitlines()[0][:200]}")
     if dev.type == "cuda" and cfg.backend == "auto":
         LAST_PATH[tag] = "bf16-dequant"
         return (a.dequantize(torch.bfloat16) @ b.dequantize(torch.bfloat16).t()).to(out_dtype)
