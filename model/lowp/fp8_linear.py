@@ -10,10 +10,17 @@ and one scale per operand in "tensor" mode. Scales are ue8m0 (powers of two, Dee
     only the fp32 summation order differs from an FP8 tensor core);
   * CUDA, tensor mode: `torch._scaled_mm` (e4m3 operands, second one column-major, dims multiples of 16),
     a true FP8 GEMM;
-  * CUDA, blockwise: `torch._scaled_mm` with 1x128 / 128x128 scales when a one-time probe shows this torch
-    build supports it on this device and matches the emulation (`blockwise_scaled_mm_ok`); otherwise the
-    dequantised operands are multiplied in bf16 (exact dequantisation for ue8m0 scales, fp32 accumulation,
-    bf16 output): an emulation at bf16 speed, NOT an FP8 speed-up. `LAST_PATH` records what ran.
+  * CUDA, blockwise: `torch._scaled_mm` with 1x128 x 128x128 (fprop, dgrad) and 1x128 x 1x128 (wgrad)
+    scales, when a one-time probe shows this torch build runs it on this device and matches the emulation
+    (`blockwise_scaled_mm_ok`; on the H200 with torch 2.11 it does, with scale_a (M, K/128) outer-dim-major
+    and scale_b (K/128, N/128) K-major with 16-byte aligned strides, resp. (K/128, N) row-major); otherwise
+    the dequantised operands are multiplied in bf16 (exact dequantisation for ue8m0 scales, fp32
+    accumulation, bf16 output): an emulation at bf16 speed, not an FP8 speed-up. `LAST_PATH` records what
+    ran, `SCALED_MM_FAILURES` any shape where scaled_mm failed after the probe.
+  * Speed (H200 log slices/X1/logs/h200_fp8_gemm_check.json): the GEMMs are fast (blockwise 628, per-tensor
+    984 TFLOP/s vs bf16 731 at 16384x2048x2048) but the eager quantisers are not (about 1 ms for a 16384x2048
+    activation), so FP8Linear's forward runs at 85-106 TFLOP/s there: a fused quantisation kernel is needed
+    before FP8 can beat bf16 in tokens/s.
 Gradients: dx in x's dtype, dW in the master weight's dtype (fp32 masters stay fp32).
 """
 from __future__ import annotations
