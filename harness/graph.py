@@ -60,7 +60,7 @@ def mermaid(reg: Registry, ids: list[str], platform: str = "cpu", labels: bool =
     out = ["graph TD"]
     for sid in ids:
         s = reg.slices[sid]
-        shape = ("[[", "]]") if s.kind == "external" else ("[", "]")
+        shape = {"external": ("[[", "]]"), "extension": ("{{", "}}")}.get(s.kind, ("[", "]"))
         text = _mermaid_str(f"{sid}: {s.title[:40]}" if labels else sid)
         out.append(f'  {nid(sid)}{shape[0]}"{text}"{shape[1]}:::{s.status[platform]}')
     g = to_nx(reg, ids)
@@ -75,7 +75,8 @@ def dot(reg: Registry, ids: list[str], platform: str = "cpu", labels: bool = Fal
     out = ["digraph slices {", "  rankdir=LR;", '  node [style=filled, fontname="Helvetica"];']
     for sid in ids:
         s = reg.slices[sid]
-        shape = "box, peripheries=2, style=\"filled,dashed\"" if s.kind == "external" else "box"
+        shape = {"external": "box, peripheries=2, style=\"filled,dashed\"",
+                 "extension": "hexagon, style=\"filled,dotted\""}.get(s.kind, "box")
         label = _dot_str(sid) + ("\\n" + _dot_str(s.title[:32]) if labels else "")
         out.append(f'  "{_dot_str(sid)}" [label="{label}", shape={shape}, '
                    f'fillcolor="{STATUS_COLOURS[s.status[platform]]}"];')
@@ -111,7 +112,7 @@ def draw(reg: Registry, ids: list[str], path: Path, platform: str = "cpu", label
     n_rounds = len({x for x, _ in pos.values()})
     tallest = max(sum(1 for p in pos.values() if p[0] == x) for x in {p[0] for p in pos.values()})
     fig, ax = plt.subplots(figsize=(max(8, 2.3 * n_rounds), max(6, 1.25 * tallest + 2)), dpi=110)
-    for kind, shape in (("external", "s"), ("prerequisite", "o"), ("dsv4", "D")):
+    for kind, shape in (("external", "s"), ("prerequisite", "o"), ("dsv4", "D"), ("extension", "h")):
         nodes = [n for n in g.nodes if reg.slices[n].kind == kind]
         if not nodes:
             continue
@@ -143,6 +144,7 @@ def draw(reg: Registry, ids: list[str], path: Path, platform: str = "cpu", label
                            label="external prerequisite"),
                 plt.Line2D([], [], marker="o", ls="", mfc="white", mec="#333", ms=12, label="fresh prerequisite (P)"),
                 plt.Line2D([], [], marker="D", ls="", mfc="white", mec="#333", ms=11, label="DSv4 slice (D)"),
+                plt.Line2D([], [], marker="h", ls="", mfc="white", mec="#333", ms=12, label="extension (X)"),
                 plt.Line2D([], [], color="#444", lw=1.6, label="direct dependency"),
                 plt.Line2D([], [], color="#bbb", lw=0.8, ls=":", label="dependency also implied by a path")]
     ax.legend(handles=handles, loc="lower left", fontsize=9, frameon=True)

@@ -1,0 +1,78 @@
+"""FP4 QK path of the lightning indexer with BF16 index scores (slice X1; seed 004, spec §7.3).
+
+As DeepSeek's inference code does it: after RoPE, the indexer queries qI and compressed keys kI go through a
+normalised Walsh-Hadamard transform over the head dim (`rotate_activation`, H_n / sqrt(n), n = c_I = 128 in
+the real model) and are fake-quantised to MXFP4 (e2m1 elements, blocks of 32 along the head dim, ue8m0
+power-of-two scales 2^ceil(log2(amax/6)), so nothing saturates). The scores are then formed exactly as the
+bf16/fp32 indexer forms them (kernels/indexer `indexer_scores`, fp32 accumulation) and rounded to BF16 (the
+"BF16 index-score path" of the top-k selector); -inf marks non-causal entries as before.
+
+H is symmetric and orthogonal (H H^T = I) and applied to both sides, so without quantisation the scores are
+unchanged up to fp32 rounding; the rotation spreads outlier channels over the block so the 32-element FP4
+scale is not set by one large coordinate.
+
+CPU emulation (dequantised fp32 values): on the GPU the same function runs as tensor ops (no FP4 tensor-core
+kernel here; Hopper has none).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dsv4.kernels.indexer import indexer_scores, indexer_topk
+from dsv4.model.lowp.quant import quantize
+
+
+@functools.lru_cache(maxsize=8)
+def _hadamard_cpu(n: int) -> torch.Tensor:
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"hadamard: size must be a power of two, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)     # Sylvester construction
+    return h / n ** 0.5
+
+
+def hadamard(n: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Normalised Walsh-Hadamard matrix H_n / sqrt(n) [n, n] (symmetric, orthogonal)."""
+    return _hadamard_cpu(n).to(device=device, dtype=dtype)
+
+
+def rotate_activation(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] -> x H (n a power of two), in x's dtype (computed in fp32 at least)."""
+    dt = torch.promote_types(x.dtype, torch.float32)
+    return (x.to(dt) @ hadamard(x.shape[-1], x.device, dt)).to(x.dtype)
+
+
+def fp4_fake_quant(x: torch.Tensor, block: int = 32, rule: str = "ue8m0") -> torch.Tensor:
+    """MXFP4 fake quantisation along the last dim (e2m1, `block` elements per power-of-two scale)."""
+    return quantize(x, "e2m1", (1, block), rule).dequantize(torch.promote_types(x.dtype, torch.float32))
+
+
+def indexer_scores_fp4(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: int, rotate: bool = True,
+                       quant: bool = True, score_dtype: torch.dtype | None = torch.bfloat16,
+                       block: int = 32) -> torch.Tensor:
+    """qI [S,B,nI,cI] (after RoPE), kI [T,B,cI], w [S,B,nI] -> I [S,B,T] in `score_dtype` (None: fp32).
+    rotate / quant switch the Hadamard rotation and the FP4 quantisation (both on = DeepSeek's path)."""
+    if rotate:
+        qI, kI = rotate_activation(qI.float()), rotate_activation(kI.float())
+    if quant:
+        qI, kI = fp4_fake_quant(qI, block), fp4_fake_quant(kI, block)
+    I = indexer_scores(qI, kI, w, ratio)
+    return I if score_dtype is None else I.to(score_dtype)
+
+
+def topk_recall(I_test: torch.Tensor, I_ref: torch.Tensor, k: int) -> float:
+    """Mean over (t, b) rows with >= 1 causal entry of |TopK(test) ∩ TopK(ref)| / |TopK(ref)| (-1s ignored)."""
+    a = indexer_topk(I_test.float(), k)
+    r = indexer_topk(I_ref.float(), k)
+    T = I_ref.shape[-1]
+    hit = torch.zeros(*r.shape[:-1], T + 1, dtype=torch.bool)
+    hit.scatter_(-1, torch.where(a < 0, T, a), True)
+    hit[..., T] = False
+    valid = r >= 0
+    found = hit.gather(-1, torch.where(valid, r, T)) & valid
+    n = valid.sum(-1)
+    rows = n > 0
+    return float((found.sum(-1)[rows].float() / n[rows].float()).mean())

@@ -1,0 +1,220 @@
+"""Exact quantisers (slice X1): OCP FP8 (e4m3 "fn" and e5m2), MXFP4 elements (e2m1), e8m0 / ue8m0 scales.
+
+Element rounding, one formula for every format with `m` mantissa bits, smallest normal exponent `emin` and
+largest finite value `vmax`:
+    e       = max(floor(log2|x|), emin)            (exponent of x; subnormals share emin)
+    quantum = 2^(e - m)                            (spacing of the format's grid around x)
+    y       = round_half_even(x / quantum) * quantum
+Every step is exact in fp32 (division / multiplication by powers of two, `torch.round` is half-to-even), so
+the result is the nearest representable value with ties to the even mantissa (IEEE / OCP rounding).
+Saturating cast (the only mode): |y| > vmax -> ±vmax, ±Inf -> ±vmax; NaN -> NaN (e2m1 has no NaN: an MX block
+holding a non-finite value gets the NaN scale, code 255, and dequantises to NaN entirely).
+
+Scales (always applied as  x ≈ q * scale):
+    "fp32"   scale = amax / vmax                   (per-tensor, Transformer Engine style; amax of the finite values)
+    "ue8m0"  scale = 2^ceil(log2(amax / vmax))     (DeepSeek's power-of-two scale: nothing saturates)
+    "ocp"    scale = 2^(floor(log2 amax) - emax)   (OCP MX v1.0 shared exponent, emax = 2 for e2m1, 8 for e4m3;
+                                                    the block maximum may saturate to ±vmax)
+amax = 0 (or an all-padding block) gives scale 1 ("fp32") / 2^-127 (power-of-two rules, smallest e8m0).
+Power-of-two exponents are clamped to e8m0's range [-127, 127] (code = exponent + 127; 255 = NaN).
+
+Divisions are tensor / tensor on purpose: CUDA turns a division by a Python scalar into a multiplication by
+its reciprocal, which is not correctly rounded (seen on the H200: per-tensor fp32 scales differed from the CPU's).
+e4m3 / e5m2 elements are rounded by torch's float8 cast after the saturating clamp (RNE; equal to the formula,
+which `round_to_format(..., method="formula")` keeps and the tests compare against the oracle); e2m1 by the formula.
+
+Block layouts (`block`): None = one scale for the tensor; (1, 128) = activation tiles along the last dim
+(DeepSeek-V3's 1x128); (128, 128) = weight blocks over the last two dims; (1, 32) = MX blocks. Sizes that are
+not multiples of the block are padded with zeros for the scale computation only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# name -> (mantissa bits, smallest normal exponent, largest finite value, largest exponent)
+FORMATS = {
+    "e4m3": (3, -6, 448.0, 8),
+    "e5m2": (2, -14, 57344.0, 15),
+    "e2m1": (1, 0, 6.0, 2),
+}
+TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+E8M0_MIN, E8M0_MAX = -127, 127
+
+
+def round_to_format(x: torch.Tensor, fmt: str, method: str = "auto") -> torch.Tensor:
+    """x (any float dtype) -> fp32 tensor of values of `fmt`'s grid: RNE, saturating, NaN kept.
+    method "formula" (any format), "cast" (e4m3 / e5m2: clamp then torch's float8 cast), "auto" (cast if
+    possible)."""
+    m, emin, vmax, _ = FORMATS[fmt]
+    x = x.float()
+    if method == "auto":
+        method = "cast" if fmt in TORCH_FP8 else "formula"
+    if method == "cast":
+        return torch.clamp(x, -vmax, vmax).to(TORCH_FP8[fmt]).float()       # clamp: ±Inf -> ±vmax, NaN kept
+    if method != "formula":
+        raise ValueError(f"round_to_format: unknown method {method!r} (auto|cast|formula)")
+    _, ex = torch.frexp(x)                                   # x = mant * 2^ex, mant in [0.5, 1)
+    e = torch.clamp(ex - 1, min=emin)                        # floor(log2|x|), at least emin
+    quantum = torch.ldexp(torch.ones_like(x), (e - m).to(torch.int32))
+    y = torch.round(x / quantum) * quantum
+    y = torch.where(torch.isinf(x), torch.sign(x) * vmax, y)
+    y = torch.clamp(y, -vmax, vmax)                          # saturation (clamp keeps NaN)
+    return torch.where(torch.isnan(x), x, y)
+
+
+def to_torch_fp8(values: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Grid values (output of round_to_format) -> torch float8 tensor (a lossless cast)."""
+    return values.to(TORCH_FP8[fmt])
+
+
+def pow2_exponent(amax: torch.Tensor, fmt: str, rule: str) -> torch.Tensor:
+    """Power-of-two scale exponent (int32) for the block maxima `amax` (finite, >= 0)."""
+    _, _, vmax, emax = FORMATS[fmt]
+    a = amax.double()                                        # fp64: amax / vmax must not underflow
+    if rule == "ue8m0":                                      # 2^ceil(log2(amax / vmax)): no saturation
+        r = a / torch.full_like(a, vmax)                     # tensor / tensor: correctly rounded on CUDA too
+        mant, ex = torch.frexp(r)                            # r = mant * 2^ex, mant in [0.5, 1)
+        e = torch.where(mant == 0.5, ex - 1, ex)             # exact ceil(log2 r)
+    elif rule == "ocp":                                      # floor(log2 amax) - emax
+        _, ex = torch.frexp(a)
+        e = ex - 1 - emax
+    else:
+        raise ValueError(f"pow2_exponent: unknown rule {rule!r} (ue8m0|ocp)")
+    e = torch.where(a > 0, e, torch.full_like(e, E8M0_MIN))
+    return torch.clamp(e, E8M0_MIN, E8M0_MAX).to(torch.int32)
+
+
+def e8m0_encode(exponent: torch.Tensor, nan: torch.Tensor | None = None) -> torch.Tensor:
+    """Exponents in [-127, 127] -> uint8 e8m0 codes (bias 127); code 255 where `nan`."""
+    code = (exponent.to(torch.int32) + 127).to(torch.uint8)
+    if nan is not None:
+        code = torch.where(nan, torch.full_like(code, 255), code)
+    return code
+
+
+def e8m0_decode(code: torch.Tensor) -> torch.Tensor:
+    """uint8 e8m0 codes -> fp32 scales 2^(code-127); 255 -> NaN."""
+    c = code.to(torch.int32)
+    v = torch.ldexp(torch.ones(c.shape, dtype=torch.float32, device=c.device), c - 127)
+    return torch.where(c == 255, torch.full_like(v, float("nan")), v)
+
+
+@dataclass
+class QTensor:
+    """A quantised tensor: `values` [*shape] fp32 grid values of `fmt` (exact), `scale` fp32 per block
+    ([*lead, ceil(R/br), ceil(C/bc)] for a 2-D block, a 0-d tensor per-tensor), x ≈ values * scale."""
+    values: torch.Tensor
+    scale: torch.Tensor
+    fmt: str
+    block: tuple[int, int] | None
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return apply_scale(self.values, self.scale, self.block, "mul").to(dtype)
+
+    def fp8(self) -> torch.Tensor:
+        return to_torch_fp8(self.values, self.fmt)
+
+
+def _blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, int]]:
+    """x [..., R, C] (a 1-D x is one row) -> zero-padded view [..., nR, br, nC, bc] and (R, C)."""
+    if x.dim() == 1:
+        x = x[None]
+    br, bc = block
+    R, C = x.shape[-2:]
+    pr, pc = (-R) % br, (-C) % bc
+    xp = torch.nn.functional.pad(x, (0, pc, 0, pr)) if (pr or pc) else x
+    lead = xp.shape[:-2]
+    return xp.reshape(*lead, (R + pr) // br, br, (C + pc) // bc, bc), (R, C)
+
+
+def expand_scale(scale: torch.Tensor, block: tuple[int, int] | None, shape) -> torch.Tensor:
+    """Per-block scale -> a tensor broadcastable to `shape` (each block's scale on its elements)."""
+    if block is None:
+        return scale
+    br, bc = block
+    one_d = len(shape) == 1
+    R, C = (1, shape[0]) if one_d else tuple(shape[-2:])
+    s = scale.repeat_interleave(br, dim=-2)[..., :R, :].repeat_interleave(bc, dim=-1)[..., :C]
+    return s[0] if one_d else s
+
+
+def apply_scale(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, op: str) -> torch.Tensor:
+    """x * scale or x / scale, each block by its scale, broadcasting over a block view (no expanded copy
+    of the scales; a padded copy of x only when its shape is not a multiple of the block)."""
+    if block is None:
+        return x * scale if op == "mul" else x / scale
+    xb, (R, C) = _blocks(x, block)
+    sb = scale[..., :, None, :, None]
+    yb = xb * sb if op == "mul" else xb / sb
+    y = yb.reshape(*yb.shape[:-4], yb.shape[-4] * yb.shape[-3], yb.shape[-2] * yb.shape[-1])[..., :R, :C]
+    return y.reshape(x.shape)
+
+
+def block_amax(x: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax of the finite values, any-non-finite flag) per block; x fp32."""
+    fin = torch.isfinite(x)
+    a = torch.where(fin, x.abs(), torch.zeros_like(x))
+    if block is None:
+        return a.amax(), ~fin.all()
+    ab, _ = _blocks(a, block)
+    fb, _ = _blocks(~fin, block)
+    return ab.amax(dim=(-3, -1)), fb.any(dim=(-3, -1))
+
+
+def quantize(x: torch.Tensor, fmt: str = "e4m3", block: tuple[int, int] | None = (1, 128),
+             scale_format: str = "ue8m0", method: str = "auto") -> QTensor:
+    """Scaled quantisation of x to `fmt` (see the module doc): scale per block, values = round(x / scale)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"quantize: unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+    x = x.float()
+    amax, nonfinite = block_amax(x, block)
+    vmax = FORMATS[fmt][2]
+    if scale_format == "fp32":
+        scale = torch.where(amax > 0, amax / torch.full_like(amax, vmax), torch.ones_like(amax))
+    elif scale_format in ("ue8m0", "ocp"):
+        scale = torch.ldexp(torch.ones_like(amax), pow2_exponent(amax, fmt, scale_format))
+    else:
+        raise ValueError(f"quantize: unknown scale_format {scale_format!r} (fp32|ue8m0|ocp)")
+    if fmt == "e2m1":                          # no NaN / Inf code: the block's scale becomes NaN (OCP MX)
+        scale = torch.where(nonfinite, torch.full_like(scale, float("nan")), scale)
+    values = round_to_format(apply_scale(x, scale, block, "div"), fmt, method)
+    if fmt == "e2m1":
+        values = torch.nan_to_num(values, nan=0.0)           # the NaN lives in the scale
+    return QTensor(values, scale, fmt, block)
+
+
+def fake_quantize(x: torch.Tensor, fmt: str = "e4m3", block: tuple[int, int] | None = (1, 128),
+                  scale_format: str = "ue8m0") -> torch.Tensor:
+    """quantize then dequantize, in x's dtype (no gradient rule: see `ste_fake_quantize`)."""
+    return quantize(x, fmt, block, scale_format).dequantize(x.dtype)
+
+
+def mx_quantize(x: torch.Tensor, fmt: str = "e2m1", block_size: int = 32, rule: str = "ocp") -> QTensor:
+    """OCP MX quantisation along the last dim: blocks of `block_size` elements, one e8m0 scale each.
+    rule "ocp" (MX v1.0 shared exponent) or "ue8m0" (DeepSeek: 2^ceil(log2(amax/vmax)))."""
+    return quantize(x, fmt, (1, block_size), rule)
+
+
+def mx_scale_codes(q: QTensor) -> torch.Tensor:
+    """The e8m0 codes (uint8) of a power-of-two-scaled QTensor's scales."""
+    nan = torch.isnan(q.scale)
+    _, ex = torch.frexp(torch.where(nan, torch.ones_like(q.scale), q.scale))
+    return e8m0_encode(ex - 1, nan)
+
+
+class _STE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fmt, block, scale_format, out_dtype):
+        return quantize(x, fmt, block, scale_format).dequantize(out_dtype or x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None, None, None, None
+
+
+def ste_fake_quantize(x: torch.Tensor, fmt: str, block, scale_format: str,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Fake quantisation with a straight-through estimator: forward = dequant(quant(x)), backward = identity."""
+    return _STE.apply(x, fmt, block, scale_format, out_dtype)
