@@ -46,13 +46,24 @@ PROVENANCE = {
         "megatron/core/transformer/multi_token_prediction.py (mtp.layers.{k}: enorm, hnorm, e_proj, h_proj "
         "(mHC mode), mtp_model_layer = HybridStack, final_layernorm, hc_head_fn/base/scale)",
     ],
-    "how": "hand-derived from the constructors listed (this script); not built (dev allocates on CUDA and "
-           "its DSv4 spec needs Transformer Engine). Transformer Engine `_extra_state` entries (fp8 metadata, "
-           "no tensor data) and non-persistent buffers (local_tokens_per_expert, cos/sin caches) are left out.",
+    "how": "hand-derived from the constructors listed (this script); the whole HybridModel was not built (its "
+           "DSv4 spec needs Transformer Engine: TESpecProvider, TELinear). Transformer Engine `_extra_state` "
+           "entries (fp8 metadata, no tensor data) and non-persistent buffers (local_tokens_per_expert, cos/sin "
+           "caches) are left out.",
+    "built_check": "HyperConnectionModule and TopKRouter were built on CPU from the dev tree (PYTHONPATH, "
+                   "torch.cuda.current_device patched to 'cpu', gloo world size 1, MLATransformerConfig with the "
+                   "debug sizes): keys, shapes and dtypes equal the derived ones (mapping_proj.weight [24, 256], "
+                   "bias [24], alpha_pre/post/res [1]; router at layer_number 2 with moe_n_hash_layers 2: weight "
+                   "[8, 64] + tid2eid int32 [256, 2], no expert_bias; layer_number 3, 4 and MTP: weight + "
+                   "expert_bias fp32 [8]). DSv4HybridSelfAttention from dev's get_dsv4_hybrid_module_spec_for_backend, "
+                   "with one-`weight` stand-ins for the Transformer Engine leaf linears / norms, gives exactly the "
+                   "derived self_attention keys and shapes at ratios 0 and 4, and at 128 the same names (ape "
+                   "[128, 32] there, [16, 32] for debug's ratio 16).",
     "notes": [
         "Each of our layers is two HybridModel sub-layers: attention at j = 2i, FFN at j = 2i + 1.",
-        "Dev's 'C' / 'H' symbols fix the ratio at 4 / 128; a config of ours with hca_ratio != 128 is dev's 'D' "
-        "with csa_compress_ratios giving the ratio per sub-layer (same names; shapes follow the ratio).",
+        "Dev's 'C' / 'H' symbols fix the ratio at 4 / 128, and TransformerConfig asserts csa_compress_ratios in "
+        "{0, 4, 128}: debug's HCA ratio 16 has no dev counterpart. For it the names are dev's HCA names (no indexer, "
+        "coff 1) and the compressor's ape [ratio, c] follows our ratio; the pattern writes it as 'D'.",
         "Hash layers: dev hashes a MoE sub-layer iff its 1-based sub-layer number <= moe_n_hash_layers, so our "
         "num_hash_layers = n is dev's moe_n_hash_layers = 2n (the first n FFN sub-layers are numbers 2, 4, ..).",
         "dtypes assume params_dtype fp32 (our checkpoints); tid2eid is int32, expert_bias fp32 in any case.",

@@ -199,6 +199,15 @@ def test_convert_cli(converted, tmp_path):
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1
     r = CliRunner().invoke(convert_cmd, [src, str(tmp_path / "y"), "--from", "gguf"])
     assert r.exit_code == 2 and "gguf" in r.output
+    hub = json.loads((tmp_path / "off" / "config.json").read_text())
+    del hub["dsv4_config"]                                   # like a hub checkpoint: DeepSeek's unclamped expert
+    (tmp_path / "off" / "config.json").write_text(json.dumps(hub))
+    r = CliRunner().invoke(convert_cmd, [str(tmp_path / "off"), str(tmp_path / "hf"), "--from", "official", "--to", "hf"])
+    assert r.exit_code == 2 and "shared_expert_clamp=False" in r.output, r.output
+    r = CliRunner().invoke(convert_cmd, [str(tmp_path / "off"), str(tmp_path / "hf"), "--from", "official", "--to", "hf",
+                                         "--hf-clamp-shared-expert"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dsv4_config"]["shared_expert_clamp"] is True
 
 
 def test_topk3_case_exercises_ties(converted):
