@@ -1,4 +1,4 @@
-"""`dsv4 convert SRC DST --from hf|official --to hf|official [--json]` (checkpoint interop, model/convert.py).
+"""`dsv4 convert SRC DST --from hf|official|megatron --to hf|official|megatron [--json]` (checkpoint interop, model/convert.py).
 
 Exit 0 on success, 2 with one line on bad input (missing directory, unknown format, a tensor that does not fit).
 """
@@ -14,8 +14,8 @@ from dsv4.harness.errors import report_bad_input
 @click.command("convert")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
-@click.option("--from", "src_format", default="hf", show_default=True, help="hf | official")
-@click.option("--to", "dst_format", default="official", show_default=True, help="hf | official")
+@click.option("--from", "src_format", default="hf", show_default=True, help="hf | official | megatron")
+@click.option("--to", "dst_format", default="official", show_default=True, help="hf | official | megatron (dev HybridModel names + config fields)")
 @click.option("--hf-clamp-shared-expert", "clamp_shared", is_flag=True,
               help="--to hf of an unclamped model (DeepSeek's code): export HF's clamped shared expert instead of refusing")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary")

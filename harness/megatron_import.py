@@ -26,6 +26,7 @@ from pathlib import Path
 PLATFORM = "megatron-dev"
 MEGATRON_REPO = "https://github.com/NVIDIA/Megatron-LM"
 PINNED_COMMIT = "d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1"   # dev, 2026-08-21 (issue 15)
+CONFIG_FIELDS = "slices/D4/megatron_dev_config_fields.json"      # dev's config field names (written on import)
 
 
 class ImportError_(ValueError):
@@ -101,6 +102,9 @@ def _worker(path: str, out_path: str, names: list[str]) -> None:
         c = MC.get(n)
         out = c.dev(c.inputs(), M)
         res["cases"][n] = G.encode_outputs(out, MAX_ELEMS)
+    import dataclasses
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    res["config_fields"] = sorted(f.name for f in dataclasses.fields(MLATransformerConfig))
     Path(out_path).write_text(json.dumps(res))
 
 
@@ -162,6 +166,13 @@ def import_megatron(path: Path, slice_name: str | None = None, log=print) -> lis
         for line in lines:
             log(line)
         written.append({"case": c.name, "slice": c.slice, "path": G._rel(p), "diff": lines})
+    from .registry import REPO
+    fields_path = REPO / CONFIG_FIELDS
+    G.atomic_write_json(fields_path, {
+        "what": "field names of Megatron-LM dev's MLATransformerConfig (dataclasses.fields), the truth for "
+                "model/megatron_config.py's FIELD_MAP", "megatron_repo": MEGATRON_REPO, "megatron_commit": sha,
+        "megatron_commit_date": date, "command": "dsv4 goldens import-megatron", "fields": doc["config_fields"]})
+    log(f"{CONFIG_FIELDS}: {len(doc['config_fields'])} MLATransformerConfig fields")
     log(f"dev {sha[:12]} ({date}) via {doc['megatron_file']}: {len(written)} goldens in {doc['elapsed_s']}s")
     return written
 
