@@ -110,3 +110,31 @@ def test_hash_routing_golden_is_not_trivial():
     assert (rmap.sum(-1) == 2).all()
     probs = G.decode_tensor(g["probs"])
     assert torch.isclose(probs.sum(-1), torch.full((rmap.shape[0],), 1.5, dtype=probs.dtype)).all()
+
+
+def _manifest(tmp_path, diff: str):
+    p = tmp_path / "X" / "manifest.toml"
+    p.parent.mkdir()
+    p.write_text('id = "X1"\ntitle = "t"\nkind = "dsv4"\ndelivers = "d"\nprovenance = []\ndepends_on = []\n'
+                 'files = []\ntests = []\ngolden_cases = []\n[status]\ncpu = "planned"\nh200 = "planned"\n'
+                 'h100 = "planned"\ngb200 = "planned"\n' + diff)
+    return p
+
+
+def test_manifest_differences_validated(tmp_path):
+    from dsv4.harness.registry import RegistryError, _load_manifest
+    ok = '[[differences]]\nwhat = "w"\ndev = "d"\nours = "o"\nfollow = "official"\nwhy = "y"\nmeasured = "1e-3"\n'
+    assert _load_manifest(_manifest(tmp_path, ok)).differences[0]["follow"] == "official"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with pytest.raises(RegistryError, match="follow"):
+        _load_manifest(_manifest(tmp_path / "a", ok.replace('"official"', '"whoever"')))
+    with pytest.raises(RegistryError, match="needs a non-empty string 'why'"):
+        _load_manifest(_manifest(tmp_path / "b", ok.replace('why = "y"\n', '')))
+
+
+def test_every_slice_with_dev_goldens_records_its_differences():
+    from dsv4.harness.registry import Registry
+    reg = Registry.load()
+    for sl in MC.by_slice():
+        assert reg.get(sl).differences, f"slice {sl}: megatron-dev goldens but no [[differences]] in its manifest"
