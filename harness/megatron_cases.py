@@ -132,6 +132,106 @@ mcase("compressor_hca_ratio128", "D1", "megatron.core.transformer.experimental_a
       lambda: _compressor_inputs(261, 1, 32, 16, 128, False, 1))((_compressor_ours, _compressor_dev))
 
 
+# =========================================================================================== D5: packed compressor
+_LENS = (37, 29, 45)      # three documents, packed (the indexer packed probe's lengths)
+
+
+def _compressor_thd_inputs(ratio, overlap):
+    """Three documents (37, 29, 45 tokens) packed, hidden 32, head_dim 16; weights as _compressor_inputs (seed 4)."""
+    inp = _compressor_inputs(sum(_LENS), 1, 32, 16, ratio, overlap, 4)
+    inp["cu"] = torch.tensor([0, *torch.tensor(_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    return inp
+
+
+def _compressor_thd_ours(inp):
+    from dsv4.model.thd import compress_pool_thd, seg_pos_from_cu_seqlens
+    L = {k: _leaf(inp[k]) for k in ("x", "wkv", "wgate", "ape")}
+    seg, pos = seg_pos_from_cu_seqlens(inp["cu"])
+    x = L["x"][:, 0]
+    comp, _, _, _ = compress_pool_thd(F.linear(x, L["wkv"]), F.linear(x, L["wgate"]), L["ape"], inp["ratio"],
+                                      inp["overlap"], seg, pos)
+    return _grads({"out": comp.unsqueeze(1)}, L)
+
+
+def _compressor_thd_dev(inp, M):
+    L = {k: _leaf(inp[k]) for k in ("x", "wkv", "wgate", "ape")}
+    shim = _NS(compress_ratio=inp["ratio"], head_dim=inp["D"], overlap=inp["ratio"] == 4,
+               coff=2 if inp["ratio"] == 4 else 1, config=_NS(fp8=None, fp4=None, apply_rope_fusion=False),
+               qk_pos_emb_head_dim=0, rotary_pos_emb=None, rotate=False, pg_collection=_NS(cp=None),
+               ape=L["ape"], use_fused_compressor=False,
+               linear_wkv=lambda x: (F.linear(x, L["wkv"]), None),
+               linear_wgate=lambda x: (F.linear(x, L["wgate"]), None), norm=lambda t: t)
+    shim._overlap_transform_thd = lambda t, first, fill_value=0: M.csa.Compressor._overlap_transform_thd(
+        shim, t, first, fill_value)
+    saved = M.csa._apply_rope
+    M.csa._apply_rope = lambda kv, *a, **k: kv
+    try:
+        out, _ = M.csa.Compressor._forward_thd(shim, L["x"], inp["cu"], max_seqlen_q=max(_LENS))
+    finally:
+        M.csa._apply_rope = saved
+    return _grads({"out": out}, L)
+
+
+_COMP_THD_MAP = ("dev Compressor._forward_thd(self=shim, x [T, 1, d], cu_seqlens, max_seqlen_q) (eager region, "
+                 "use_fused_compressor False), weights as the SBHD compressor cases, norm and _apply_rope = "
+                 "identity; ours: model.thd.compress_pool_thd on seg/pos from cu_seqlens; entries segment-major")
+for _r, _ov in ((4, True), (16, False)):
+    mcase(f"compressor_thd_ratio{_r}", "D5", "megatron.core.transformer.experimental_attention_variant.csa."
+          "Compressor._forward_thd (+ _overlap_transform_thd)", _COMP_THD_MAP,
+          # measured: bit-equal (0) for out and gradients -> 1e-6 abs floor
+          {k: (1e-6, 1e-5) for k in ("out", "d_x", "d_wkv", "d_wgate", "d_ape")},
+          (lambda r=_r, ov=_ov: _compressor_thd_inputs(r, ov)))((_compressor_thd_ours, _compressor_thd_dev))
+
+
+def _attn_thd_inputs(ratio):
+    """Three documents (37, 29, 45) packed: q [111, 4, 32], kv [111, 32], HCA entries [sum L//ratio, 32], sink [4],
+    window 8 (seed 6)."""
+    g = torch.Generator().manual_seed(6)
+    T, H, c = sum(_LENS), 4, 32
+    n = [L // ratio for L in _LENS]
+    cu = torch.tensor([0, *torch.tensor(_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    cu_c = torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+    return {"q": torch.randn(T, H, c, generator=g), "kv": torch.randn(T, c, generator=g),
+            "comp": torch.randn(sum(n), c, generator=g), "sink": torch.randn(H, generator=g) * 0.3,
+            "cu": cu, "cu_c": cu_c, "window": 8, "ratio": ratio, "scale": c ** -0.5}
+
+
+def _attn_thd_ours(inp):
+    from dsv4.model.thd import seg_pos_from_cu_seqlens, sparse_attn_thd
+    L = {k: _leaf(inp[k]) for k in ("q", "kv", "comp", "sink")}
+    seg, pos = seg_pos_from_cu_seqlens(inp["cu"])
+    n = (inp["cu_c"][1:] - inp["cu_c"][:-1]).long()
+    eseg = torch.repeat_interleave(torch.arange(n.numel()), n)
+    ej = torch.cat([torch.arange(int(k)) for k in n])
+    o = sparse_attn_thd(L["q"], L["kv"], torch.arange(seg.numel()), seg, pos, seg, pos, L["comp"], None, eseg, ej,
+                        L["sink"], inp["window"], inp["ratio"], inp["scale"])
+    return _grads({"out": o.reshape(o.shape[0], -1)}, L)
+
+
+def _attn_thd_dev(inp, M):
+    from megatron.core.transformer.experimental_attention_variant.csa_utils.fused_sparse_attention import (
+        local_to_global_flat)
+    L = {k: _leaf(inp[k]) for k in ("q", "kv", "comp", "sink")}
+    cu, cu_c = inp["cu"], inp["cu_c"]
+    cu_full = M.csa.build_cu_seqlens_kv_full(cu, cu_c)
+    kv_full = M.csa.cat_per_segment(L["kv"], L["comp"], cu, cu_c, cu_full)
+    local = torch.cat([M.csa.get_window_topk_idxs_thd(inp["window"], cu),
+                       M.csa.get_compress_topk_idxs_thd(inp["ratio"], cu, cu, cu_c)], dim=-1)
+    topk = local_to_global_flat(local, 1, cu_seqlens_q=cu, cu_seqlens_kv=cu_full)
+    out = M.csa.unfused_compressed_sparse_attn(L["q"], kv_full, L["sink"].float(), topk.int(), inp["scale"])
+    return _grads({"out": out}, L)
+
+
+mcase("sparse_attn_thd_hca_sink", "D5", "megatron.core.transformer.experimental_attention_variant.csa."
+      "unfused_compressed_sparse_attn, THD layout (kv_full: cat_per_segment + build_cu_seqlens_kv_full; indices: "
+      "get_window_topk_idxs_thd ++ get_compress_topk_idxs_thd -> csa_utils.fused_sparse_attention.local_to_global_flat)",
+      "three packed documents (37, 29, 45): q [T, H, c], kv [T, c], entries [N, c] segment-major (N = sum L//16), "
+      "sink [H]; ours: model.thd.sparse_attn_thd with seg/pos from cu_seqlens and entry (seg, j); output [T, H*c]",
+      # measured: out 3.6e-7, grads <= 1.07e-6 (d_comp) -> 2e-5 abs (x18, as the SBHD attention cases)
+      {k: (2e-5, 1e-5) for k in ("out", "d_q", "d_kv", "d_comp", "d_sink")},
+      lambda: _attn_thd_inputs(16))((_attn_thd_ours, _attn_thd_dev))
+
+
 # =========================================================================================== D1: sparse attention
 def _attn_inputs(kind):
     """q [37, 2, 4, 32], kv [37, 2, 32], comp [T, 2, 32] (T = 9 CSA ratio 4, 2 HCA ratio 16), sink [4] ~ 0.3 N,
