@@ -78,12 +78,13 @@ def _dev_modules(path: str):
         raise ImportError_(f"imported megatron from {where}, not from {path}")
     from megatron.core.fusions import fused_bias_swiglu as swiglu
     from megatron.core.transformer import hyper_connection as hc
-    from megatron.core.transformer.experimental_attention_variant import csa, dsa
+    from megatron.core.transformer.experimental_attention_variant import csa, dsa, dsa_masking
     from megatron.core.transformer.moe import router
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     class M:
         pass
+    M.dsa_masking = dsa_masking
     M.csa, M.dsa, M.hc, M.router, M.swiglu, M.TransformerConfig = csa, dsa, hc, router, swiglu, TransformerConfig
     M.file = str(where)
     return M
