@@ -534,6 +534,30 @@ mcase("hyper_connection_module", "ext_4531", "megatron.core.transformer.hyper_co
       _HC_MAP, _HC_TOL, _hc_inputs)((_hc_module_ours, _hc_module_dev))
 
 
+def _head_ours(inp):
+    from dsv4.kernels.mhc import hc_head
+    L = {k: _leaf(inp[k]) for k in ("x", "fn", "base", "scale")}
+    S, B, n, C = inp["x"].shape
+    y = hc_head(L["x"].reshape(S * B, n, C), L["fn"][:n], L["base"][:n], L["scale"][:1], 1e-6, 1e-6)
+    return _grads({"y": y.view(S, B, C)}, L)
+
+
+def _head_dev(inp, M):
+    L = {k: _leaf(inp[k]) for k in ("x", "fn", "base", "scale")}
+    S, B, n, C = inp["x"].shape
+    y = M.hc.learned_output_contract(L["x"].reshape(S, B, n * C), L["fn"][:n], L["base"][:n], L["scale"][:1], n, 1e-6)
+    return _grads({"y": y}, L)
+
+
+mcase("hyper_head", "P2", "megatron.core.transformer.hyper_connection.learned_output_contract (the n-stream -> 1 "
+      "head contraction, hc_head_fn / hc_head_base / hc_head_scale)",
+      "head_fn = our hc_head_fn [n, n*C] (here the first n rows of the mHC case's fn), base = hc_head_base [n], "
+      "scale = hc_head_scale [1], eps 1e-6 for both the sigmoid offset and the RMS; streams [S, B, n*C]; ours: "
+      "kernels.mhc hc_head(x, fn, base, scale, hc_eps, rms_norm_eps)",
+      # measured: y 4.8e-7, grads <= 9.5e-7 (d_fn) -> 1e-5 abs (x10)
+      {k: (1e-5, 1e-5) for k in ("y", "d_x", "d_fn", "d_base", "d_scale")}, _hc_inputs)((_head_ours, _head_dev))
+
+
 # =========================================================================================== P4: hash routing
 def _hash_inputs():
     """debug config (V 256, E 8, K 2, routed_scaling_factor 1.5): our seeded hash_table, gate weight ~ N/8,
