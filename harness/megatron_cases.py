@@ -558,6 +558,80 @@ mcase("hyper_head", "P2", "megatron.core.transformer.hyper_connection.learned_ou
       {k: (1e-5, 1e-5) for k in ("y", "d_x", "d_fn", "d_base", "d_scale")}, _hc_inputs)((_head_ours, _head_dev))
 
 
+# =========================================================================================== P6: RoPE
+class _CP1:
+    """A one-rank context-parallel group (dev's rope helpers ask it for size / rank)."""
+    size = staticmethod(lambda: 1)
+    rank = staticmethod(lambda: 0)
+
+
+def _rope_inputs(table):
+    """debug config (r = 8 of c = 32; compress table: theta 160000, YaRN factor 16 over 64 positions, beta 32/1;
+    main table: theta 10000): compress -> 9 entries [9, 2, 32] at positions 4w (ratio 4); main -> q [37, 2, 4, 32]
+    at positions 0..36 (seed 9)."""
+    g = torch.Generator().manual_seed(9)
+    if table == "compress":
+        return {"x": torch.randn(9, 2, 32, generator=g), "table": table, "ratio": 4, "n": 9}
+    return {"x": torch.randn(37, 2, 4, 32, generator=g), "table": table, "ratio": 1, "n": 37}
+
+
+def _rope_ours(inp):
+    from dsv4.model.config import get_config
+    from dsv4.model.rope import RotaryTable
+    L = {"x": _leaf(inp["x"])}
+    rt = RotaryTable(get_config("debug"), inp["table"])
+    pos = torch.arange(inp["n"]) * inp["ratio"]
+    return _grads({"rotated": rt(L["x"], pos), "inverse": rt(L["x"], pos, inverse=True)}, L)
+
+
+def _rope_dev(inp, M):
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    from dsv4.model.config import get_config
+    from dsv4.model.megatron_config import to_megatron_config
+    mc = to_megatron_config(get_config("debug"))               # the config map feeds dev's rope modules
+    r = mc["qk_pos_emb_head_dim"]
+    cfg = M.MLATransformerConfig(num_layers=1, hidden_size=mc["hidden_size"], num_attention_heads=4,
+                                 multi_latent_attention=True, qk_pos_emb_head_dim=r, apply_rope_fusion=False,
+                                 rotary_scaling_factor=mc["rotary_scaling_factor"], beta_fast=mc["beta_fast"],
+                                 original_max_position_embeddings=mc["original_max_position_embeddings"],
+                                 beta_slow=mc["beta_slow"], mscale=1.0, mscale_all_dim=0.0,
+                                 use_cpu_initialization=True)
+    if inp["table"] == "compress":        # DSv4HybridSelfAttention.__init__: YaRN for ratio > 1 layers
+        emb = YarnRotaryEmbedding(r, rotary_base=mc["csa_compress_rotary_base"], scaling_factor=cfg.rotary_scaling_factor,
+                                  original_max_position_embeddings=cfg.original_max_position_embeddings,
+                                  beta_fast=cfg.beta_fast, beta_slow=cfg.beta_slow, mscale=cfg.mscale,
+                                  mscale_all_dim=cfg.mscale_all_dim, use_cpu_initialization=True)
+    else:                                 # window-only layers: plain RoPE at rotary_base
+        emb = RotaryEmbedding(r, rotary_percent=1.0, rotary_base=mc["rotary_base"], use_cpu_initialization=True)
+    L = {"x": _leaf(inp["x"])}
+    c = inp["x"].shape[-1]
+    rotated = M.csa._apply_rope(L["x"], c - r, r, emb, cfg, inp["n"], ratio=inp["ratio"], cp_group=_CP1)
+    # the inverse rotation of the attention output, as DSv4HybridSelfAttention.forward applies it (unfused path)
+    table = emb(inp["n"] * inp["ratio"], packed_seq=False)
+    table = (table[0] if isinstance(table, tuple) else table)[::inp["ratio"]][: inp["n"]]
+    x4 = L["x"] if L["x"].dim() == 4 else L["x"].unsqueeze(-2)
+    nope, rot = torch.split(x4, [c - r, r], dim=-1)
+    inv = apply_rotary_pos_emb(rot, table, cfg, mscale=1.0, cp_group=_CP1, mla_rotary_interleaved=True, inverse=True,
+                               mla_output_remove_interleaving=True)
+    inv = torch.cat([nope, inv], dim=-1)
+    return _grads({"rotated": rotated, "inverse": inv if L["x"].dim() == 4 else inv.squeeze(-2)}, L)
+
+
+for _t in ("compress", "main"):
+    mcase(f"rope_{_t}", "P6", "megatron.core.transformer.experimental_attention_variant.csa._apply_rope with "
+          f"{'YarnRotaryEmbedding' if _t == 'compress' else 'RotaryEmbedding'} (unfused; interleaved + "
+          "remove_interleaving) and rope_utils.apply_rotary_pos_emb(inverse=True) as DSv4HybridSelfAttention.forward",
+          "dev's rope module and config built from model/megatron_config.to_megatron_config(debug) (qk_pos_emb_head_dim, "
+          "csa_compress_rotary_base / rotary_base, rotary_scaling_factor, original_max_position_embeddings, beta_fast/"
+          "slow; mscale 1); last r dims of each head rotated, positions = entry index * ratio; ours: RotaryTable("
+          f"debug, {_t!r}) forward and inverse",
+          # measured: rotated / inverse / gradient bit-equal (0) -> 1e-6 abs floor
+          {k: (1e-6, 1e-5) for k in ("rotated", "inverse", "d_x")}, (lambda t=_t: _rope_inputs(t)))((_rope_ours, _rope_dev))
+
+
 # =========================================================================================== P4: hash routing
 def _hash_inputs():
     """debug config (V 256, E 8, K 2, routed_scaling_factor 1.5): our seeded hash_table, gate weight ~ N/8,

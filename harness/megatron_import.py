@@ -71,6 +71,8 @@ def _dev_modules(path: str):
     torch.cuda.nvtx.range = lambda *a, **k: contextlib.nullcontext()
     torch.cuda.nvtx.range_push = lambda *a, **k: None
     torch.cuda.nvtx.range_pop = lambda *a, **k: None
+    # dev's rotary tables move themselves to torch.cuda.current_device(): on this CPU build that is the CPU
+    torch.cuda.current_device = lambda: "cpu"
     sys.path.insert(0, path)
     import megatron.core      # `megatron` itself is a namespace package in dev (no __init__.py)
     where = Path(megatron.core.__file__).resolve()
@@ -80,11 +82,11 @@ def _dev_modules(path: str):
     from megatron.core.transformer import hyper_connection as hc
     from megatron.core.transformer.experimental_attention_variant import csa, dsa, dsa_masking
     from megatron.core.transformer.moe import router
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     class M:
         pass
-    M.dsa_masking = dsa_masking
+    M.dsa_masking, M.MLATransformerConfig = dsa_masking, MLATransformerConfig
     M.csa, M.dsa, M.hc, M.router, M.swiglu, M.TransformerConfig = csa, dsa, hc, router, swiglu, TransformerConfig
     M.file = str(where)
     return M
