@@ -116,6 +116,19 @@ def to_megatron_config(cfg: DSv4Config, layout: str = "hybrid") -> dict:
     return out
 
 
+def dev_rejects(d: dict) -> list[str]:
+    """What dev's TransformerConfig.__post_init__ (d48bd6be0a, transformer_config.py:1745-1762) would assert on
+    for these fields: ratios outside {0, 4, 128}, too short a ratio list. Toy configs (debug's HCA ratio 16)
+    are still written -- names and shapes stay meaningful -- and save_megatron records these lines."""
+    out = []
+    bad = sorted({r for r in d["csa_compress_ratios"] if r not in (0, 4, 128)})
+    if bad:
+        out.append(f"csa_compress_ratios must be 0, 4, or 128 (has {bad})")
+    if len(d["csa_compress_ratios"]) < d["num_layers"] + d["mtp_num_layers"]:
+        out.append("csa_compress_ratios shorter than num_layers + mtp_num_layers")
+    return out
+
+
 def from_megatron_config(d: dict, layout: str = "hybrid", base: DSv4Config | None = None) -> DSv4Config:
     """Megatron config fields -> DSv4Config (fields we do not map come from `base`, default: our defaults)."""
     if layout not in LAYOUTS:

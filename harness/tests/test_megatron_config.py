@@ -58,6 +58,11 @@ def test_hash_layers_follow_devs_layer_number_rule():
     assert MCF.to_megatron_config(cfg, "hybrid")["moe_n_hash_layers"] == 2 * cfg.num_hash_layers
 
 
+def test_dev_config_constraints_reported():
+    assert MCF.dev_rejects(MCF.to_megatron_config(get_config("flash"))) == []
+    assert MCF.dev_rejects(MCF.to_megatron_config(get_config("debug"))) == ["csa_compress_ratios must be 0, 4, or 128 (has [16])"]
+
+
 def test_refuses_a_csa_ratio_megatron_cannot_express():
     with pytest.raises(ConfigError, match="iff the ratio is 4"):
         MCF.to_megatron_config(get_config("debug", csa_ratio=8, compress_ratios=[0, 8, 16, 0]))
@@ -74,6 +79,7 @@ def test_convert_cli_to_and_from_megatron(tmp_path):
     assert r.exit_code == 0, r.output
     conf = json.loads((tmp_path / "meg" / "config.json").read_text())
     assert conf["megatron"]["moe_n_hash_layers"] == 2 and conf["megatron_layout"] == "hybrid"
+    assert conf["megatron_dev_would_reject"] == ["csa_compress_ratios must be 0, 4, or 128 (has [16])"]
     from safetensors.torch import load_file
     keys = set(load_file(str(tmp_path / "meg" / "model.safetensors")))
     assert "decoder.final_norm.weight" in keys and "decoder.layers.0.hyper_connection.bias" in keys
