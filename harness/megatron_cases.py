@@ -299,6 +299,152 @@ for _k in ("window", "csa", "hca"):
           _ATTN_TOL, (lambda k=_k: _attn_inputs(k)))((_attn_ours, _attn_dev))
 
 
+# =========================================================================================== D1: the whole layer
+_ATTN_RATIOS = [0, 4, 128, 0]     # dev accepts only 0 / 4 / 128 (debug's HCA 16 becomes 128)
+
+
+def _layer_inputs(li, S):
+    """slices/D1/cases.py's seeded DSv4Attention (debug config with compress_ratios [0, 4, 128, 0]), layer li,
+    h [1, S, 64] (seed 2)."""
+    return {"li": li, "S": S}
+
+
+def _our_layer(inp):
+    import importlib.util
+
+    from dsv4.harness.registry import REPO
+    spec = importlib.util.spec_from_file_location("_dsv4_d1_cases_for_mdev", REPO / "slices/D1/cases.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    attn, _ = mod._layer(inp["li"], compress_ratios=_ATTN_RATIOS, hca_ratio=128)
+    h = torch.randn(1, inp["S"], 64, generator=torch.Generator().manual_seed(2))
+    return attn, h
+
+
+def _layer_ours(inp):
+    attn, h = _our_layer(inp)
+    L = {"h": _leaf(h)}
+    cap = {}
+    if inp["li"] == 1:   # the indexer's (scores [S,B,T], picks [S,B,k]), read by a hook (the model keeps no scores)
+        attn.indexer.register_forward_hook(lambda mod, args, out: cap.update(scores=out[0], picks=out[1]))
+    out = attn(L["h"]).transpose(0, 1)                                   # [S, 1, d]
+    if inp["li"] != 1:
+        return _grads({"out": out}, L)
+    return _layer_tie_outputs(out.detach(), cap["picks"][:, 0], cap["scores"][:, 0])
+
+
+def _layer_tie_outputs(out, picks, scores):
+    """CSA layer: the output on the rows whose top-k SET is not decided by a tie (ReLU zeros tie often; ours
+    takes the lower index, dev's torch.topk another), zeros elsewhere; the mask; the tie-aware picks."""
+    picks, scores = picks.long(), scores.detach()
+    val = torch.where(picks >= 0, scores.gather(-1, picks.clamp(min=0)), torch.tensor(float("-inf")))
+    kth = val.min(-1).values                                              # [S] the weakest pick
+    unpicked = torch.ones_like(scores, dtype=torch.bool).scatter(-1, picks.clamp(min=0), False)
+    tied = torch.isfinite(kth) & ((scores == kth[:, None]) & unpicked).any(-1)   # [S]
+    out = out.clone()
+    out[tied] = 0.0
+    # picked scores are not compared here: dev's layer scores omit c_I^-1/2 (D2 differences), picks are
+    return {"out_untied_rows": out, "tied_rows": tied,
+            "topk_untied": _topk_outputs(scores[None], picks[None])["topk_untied"]}
+
+
+def _layer_dev(inp, M):
+    attn_ours, h = _our_layer(inp)
+    dev = _dev_attention(M, inp["li"])
+    from dsv4.model import convert as CV
+    names = {o[len("attn."):]: m[len("self_attention."):] for o, m in CV._MEG_ATTN if o.startswith("attn.")}
+    sd = {names[k]: v for k, v in attn_ours.state_dict().items()}        # KeyError = a name convert lacks
+    missing, unexpected = dev.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"dev attention: missing {missing}, unexpected {unexpected}")
+    L = {"h": _leaf(h)}
+    cap = {}
+    if inp["li"] == 1:
+        ind = dev.core_attention.indexer
+        fwd = ind.forward
+
+        def capture(*a, **k):
+            r = fwd(*a, **k)
+            cap["scores"], cap["topk"] = r
+            return r
+        ind.forward = capture
+    out = dev(L["h"].transpose(0, 1).contiguous(), None)[0]              # [S, 1, d]
+    if inp["li"] != 1:
+        return _grads({"out": out}, L)
+    return _layer_tie_outputs(out.detach(), cap["topk"][0], cap["scores"][0])
+
+
+def _hadamard_fp32(x):
+    """dsa.rotate_activation = fast_hadamard_transform(x, scale=n^-1/2) (a bf16-only CUDA kernel), in fp32."""
+    n = x.size(-1)
+    Hm = torch.ones(1, 1)
+    while Hm.shape[0] < n:
+        Hm = torch.cat([torch.cat([Hm, Hm], 1), torch.cat([Hm, -Hm], 1)], 0)
+    return (x.float() @ Hm.T * n ** -0.5).to(x.dtype)
+
+
+def _dev_attention(M, li):
+    """Dev's DSv4HybridSelfAttention from get_dsv4_hybrid_module_spec_for_backend on CPU: local (non-TE) backend,
+    TELinear stood in by a plain y = x W^T module, the Hadamard rotation in fp32, gloo world of 1."""
+    import socket
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_dsv4_hybrid_module_spec_for_backend)
+    from megatron.core.transformer.experimental_attention_variant import deepseek_v4_hybrid_attention as dha
+    from megatron.core.transformer.spec_utils import build_module
+
+    from dsv4.model.config import get_config
+    from dsv4.model.megatron_config import to_megatron_config
+    if not dist.is_initialized():
+        sk = socket.socket()
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+        sk.close()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
+        parallel_state.initialize_model_parallel()
+
+    class Linear(torch.nn.Module):
+        def __init__(self, input_size, output_size, *, config=None, init_method=None, bias=False, **kw):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(output_size, input_size))
+
+        def forward(self, x):
+            return F.linear(x, self.weight), None
+
+    class Backend(LocalSpecProvider):
+        def linear(self):
+            return Linear
+    dha.TELinear = Linear
+    M.csa.rotate_activation = _hadamard_fp32
+    mc = to_megatron_config(get_config("debug", compress_ratios=_ATTN_RATIOS, hca_ratio=128))
+    skip = ("experimental_attention_variant", "activation_func", "moe_router_load_balancing_type")
+    cfg = M.MLATransformerConfig(**{k: v for k, v in mc.items() if k not in skip},
+                                 experimental_attention_variant="dsv4_hybrid", use_cpu_initialization=True,
+                                 qk_layernorm=True, apply_rope_fusion=False, mscale=1.0, mscale_all_dim=0.0,
+                                 add_bias_linear=False, kv_lora_rank=32)
+    spec = get_dsv4_hybrid_module_spec_for_backend(cfg, Backend())
+    return build_module(spec, config=cfg, layer_number=li + 1).eval()
+
+
+_LAYER_MAP = ("our DSv4Attention state dict renamed by model/convert._MEG_ATTN (the to_megatron names, "
+              "'self_attention.' stripped) and loaded strictly into dev's DSv4HybridSelfAttention (local backend, "
+              "TELinear -> y = x W^T stand-in, rotate_activation -> fp32 Hadamard, config from "
+              "to_megatron_config(debug, compress_ratios [0, 4, 128, 0]) + qk_layernorm, unfused rope), eval mode; "
+              "hidden [S, 1, d]; CSA: rows whose top-k set hinges on a tie are zeroed on both sides")
+for _li, _S, _kind in ((0, 37, "window"), (1, 37, "csa"), (2, 256, "hca")):
+    mcase(f"dsv4_attention_{_kind}_layer", "D1", "megatron.core.transformer.experimental_attention_variant."
+          "deepseek_v4_hybrid_attention.DSv4HybridSelfAttention.forward (spec get_dsv4_hybrid_module_spec_for_"
+          "backend: CompressedSparseAttention, Compressor, CSAIndexer)", _LAYER_MAP,
+          # measured: window out 4.8e-7, d_h 9.5e-7; HCA (S 256) out 6.0e-7, d_h 2.1e-6; CSA untied rows 4.5e-7
+          # (5 of 37 rows tied, zeroed) -> 2e-5 abs (x9 on the worst, d_h of HCA)
+          {k: (2e-5, 1e-5) for k in ("out", "d_h", "out_untied_rows")},
+          (lambda li=_li, S=_S: _layer_inputs(li, S)))((_layer_ours, _layer_dev))
+
+
 # =========================================================================================== D2: indexer
 def _indexer_inputs():
     """qI [37, 2, 2, 16], kI [9, 2, 16], w [37, 2, 2] (debug indexer: 2 heads x 16, ratio 4, top-4), seed 5."""
