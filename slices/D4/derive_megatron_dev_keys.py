@@ -58,7 +58,12 @@ PROVENANCE = {
                    "expert_bias fp32 [8]). DSv4HybridSelfAttention from dev's get_dsv4_hybrid_module_spec_for_backend, "
                    "with one-`weight` stand-ins for the Transformer Engine leaf linears / norms, gives exactly the "
                    "derived self_attention keys and shapes at ratios 0 and 4, and at 128 the same names (ape "
-                   "[128, 32] there, [16, 32] for debug's ratio 16).",
+                   "[128, 32] there, [16, 32] for debug's ratio 16). dev's HybridStack for layer types WECEHE (its "
+                   "HyperConnectionHybridLayer, TransformerLayer, MoETransformerLayer, MoELayer, TopKRouter, "
+                   "shared experts; leaf linears / norms stubbed or local, experts SequentialMLP) gives exactly the "
+                   "derived `decoder.*` keys and shapes except the routed experts (TEGroupedMLP names are from "
+                   "reading) and that ape, plus `_extra_state` entries (None) of the local linears. The MTP block "
+                   "and the TE leaf names (weight, layer_norm_weight, weight{e}) are from reading only.",
     "notes": [
         "Each of our layers is two HybridModel sub-layers: attention at j = 2i, FFN at j = 2i + 1.",
         "Dev's 'C' / 'H' symbols fix the ratio at 4 / 128, and TransformerConfig asserts csa_compress_ratios in "
