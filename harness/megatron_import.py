@@ -241,7 +241,8 @@ def verify_against(slice_name: str | None = None, log=print) -> dict:
         overall, code = "cannot-judge", 2
     else:
         overall, code = "pass", 0
-    return {"platform": PLATFORM, "against": PLATFORM, "verdict": overall, "exit_code": code,
+    return {"platform": PLATFORM, "against": PLATFORM, "mode": "tolerance (per case, megatron_cases.py)",
+            "verdict": overall, "exit_code": code,
             "elapsed_s": round(time.time() - t_start, 2), "slices": results,
             "n_modules": len(cases), "provenance": G.provenance("cpu")}
 

@@ -97,6 +97,14 @@ def test_cli_verify_against(monkeypatch):
     assert doc["verdict"] == "pass" and doc["slices"][0]["n_pass"] == 3
 
 
+def test_cli_verify_against_report(tmp_path):
+    from dsv4.harness.cli import main
+    r = CliRunner().invoke(main, ["verify", "--against", "megatron-dev", "--slice", "P5", "--report", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    md = (tmp_path / "verify.md").read_text()
+    assert "megatron-dev" in md and "clamped_swiglu_limit0.5.y" in md
+
+
 def test_cli_import_megatron_refuses_non_checkout(tmp_path):
     from dsv4.harness.cli import main
     r = CliRunner().invoke(main, ["goldens", "import-megatron", "--megatron-lm", str(tmp_path)])
