@@ -419,10 +419,10 @@ def save_official(model, directory: str) -> None:
 def save_megatron(model, directory: str, layout: str = "hybrid") -> None:
     """DSv4Model -> a Megatron-Core directory: config.json = {"megatron": dev's config fields (model/megatron_config's
     one table), "megatron_layout", "dsv4_config"}, model.safetensors in dev's names (`ours_to_megatron`)."""
-    from .megatron_config import dev_rejects, to_megatron_config
+    from .megatron_config import dev_behaves_differently, dev_rejects, to_megatron_config
     meg = to_megatron_config(model.cfg, layout)
     cfg = {"megatron": meg, "megatron_layout": layout, "megatron_dev_would_reject": dev_rejects(meg),
-           "dsv4_config": model.cfg.to_dict()}
+           "megatron_dev_differs": dev_behaves_differently(model.cfg), "dsv4_config": model.cfg.to_dict()}
     _write_dir(directory, cfg, ours_to_megatron(model.state_dict(), layout))
 
 

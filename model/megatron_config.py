@@ -129,6 +129,16 @@ def dev_rejects(d: dict) -> list[str]:
     return out
 
 
+def dev_behaves_differently(cfg: DSv4Config) -> list[str]:
+    """Where dev, run with these fields, computes something else than our model does (recorded on export)."""
+    out = []
+    if cfg.swiglu_limit and not cfg.shared_expert_clamp:
+        out.append("shared expert: dev clamps it (SharedExpertMLP is an MLP with the same config, so "
+                   "activation_func_clamp_value applies, as in HF); ours / DeepSeek's official code leave it "
+                   "unclamped (shared_expert_clamp=false)")
+    return out
+
+
 def from_megatron_config(d: dict, layout: str = "hybrid", base: DSv4Config | None = None) -> DSv4Config:
     """Megatron config fields -> DSv4Config (fields we do not map come from `base`, default: our defaults)."""
     if layout not in LAYOUTS:

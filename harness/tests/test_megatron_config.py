@@ -80,6 +80,7 @@ def test_convert_cli_to_and_from_megatron(tmp_path):
     conf = json.loads((tmp_path / "meg" / "config.json").read_text())
     assert conf["megatron"]["moe_n_hash_layers"] == 2 and conf["megatron_layout"] == "hybrid"
     assert conf["megatron_dev_would_reject"] == ["csa_compress_ratios must be 0, 4, or 128 (has [16])"]
+    assert conf["megatron_dev_differs"][0].startswith("shared expert: dev clamps it")
     from safetensors.torch import load_file
     keys = set(load_file(str(tmp_path / "meg" / "model.safetensors")))
     assert "decoder.final_norm.weight" in keys and "decoder.layers.0.hyper_connection.bias" in keys
