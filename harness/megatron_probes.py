@@ -65,6 +65,7 @@ def main(path: str) -> None:
     print(f"sparse kernel, diagonal key listed twice: dev vs ours {float((od - oo).abs().max()):.2e}; "
           f"a future key listed: {float((of - oo).abs().max()):.2e} (ours masks both; dev trusts the caller)")
     packed_probe(M)
+    packed_layer_probe(M)
 
 
 def _dev_compressor_raw(ci, M):
@@ -110,6 +111,48 @@ def packed_probe(M, lens=(37, 29, 45), ratio=4, topk=4, seed=7):
     print(f"dev packed THD vs per-sequence indexer top-{topk} ({len(lens)} docs {lens}, ratio {ratio}): "
           f"{int(rows.sum())}/{rows.numel()} rows pick a different set; multiset of picked scores identical: "
           f"{same_scores} (so every difference is a choice among tied scores)")
+
+
+
+
+def packed_layer_probe(M, lens=(37, 29, 45)):
+    """Dev's whole CSA layer (DSv4HybridSelfAttention, our seeded debug weights) on 3 packed documents (THD,
+    PackedSeqParams) vs each document alone: which rows differ, and are they the rows whose top-k is tie-decided?"""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from dsv4.harness import megatron_cases as MC
+    attn_ours, _ = MC._our_layer({"li": 1, "S": 37})
+    dev = MC._dev_attention(M, 1)
+    from dsv4.model import convert as CV
+    names = {o[len("attn."):]: m[len("self_attention."):] for o, m in CV._MEG_ATTN if o.startswith("attn.")}
+    dev.load_state_dict({names[k]: v for k, v in attn_ours.state_dict().items()}, strict=False)
+    g = torch.Generator().manual_seed(11)
+    docs = [torch.randn(L, 1, 64, generator=g) for L in lens]
+    ind = dev.core_attention.indexer
+    fwd, cap = ind.forward, {}
+
+    def capture(*a, **k):
+        r = fwd(*a, **k)
+        cap.setdefault("topk", []).append(r[1])
+        cap.setdefault("scores", []).append(r[0])
+        return r
+    ind.forward = capture
+    with torch.no_grad():
+        per = [dev(d, None)[0] for d in docs]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+                              max_seqlen_kv=max(lens))
+        packed = dev(torch.cat(docs), None, packed_seq_params=psp)[0]
+    tied = []
+    for s, p in zip(cap["scores"][:3], cap["topk"][:3]):
+        t = MC._layer_tie_outputs(torch.zeros(p.shape[1], 1), p[0], s[0])["tied_rows"]
+        tied.append(t)
+    tied = torch.cat(tied)
+    diff = (packed - torch.cat(per)).abs().amax(-1)[:, 0]
+    bad = diff > 1e-5
+    print(f"dev whole CSA layer, packed THD vs per-document ({lens}): max|diff| {float(diff.max()):.2e} on "
+          f"{int(bad.sum())} rows; all of them tie-decided rows: {bool((bad <= tied).all())} "
+          f"({int(tied.sum())} tie-decided rows); max|diff| on the other rows {float(diff[~tied].max()):.2e}")
 
 
 if __name__ == "__main__":
