@@ -147,6 +147,8 @@ def import_megatron(path: Path, slice_name: str | None = None, log=print) -> lis
     check_checkout(path)
     sha, date = dev_commit(path)
     cases = select(slice_name)
+    from . import megatron_cases as MC
+    cases = cases + [c for c in MC.DIFF_CASES if c.slice in {x.slice for x in cases}]
     doc = run_dev(path, [c.name for c in cases])
     written = []
     for c in cases:

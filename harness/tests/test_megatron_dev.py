@@ -146,3 +146,22 @@ def test_every_slice_with_dev_goldens_records_its_differences():
     reg = Registry.load()
     for sl in MC.by_slice():
         assert reg.get(sl).differences, f"slice {sl}: megatron-dev goldens but no [[differences]] in its manifest"
+
+
+def test_documented_mhc_norm_difference_is_the_stated_one():
+    """ext_4531 [[differences]] 'mHC mapping normalisation': at stream RMS 1e-3 ours is off dev by ~0.39 in h_post
+    and ~1.0 in the new streams, and dev's golden is reproduced by our math with r = 1/(|x|/sqrt(K) + eps)."""
+    c = MC.get("mhc_mapping_norm_rms1e-3")
+    g = {k: G.decode_tensor(v) for k, v in G.load_case(MI.PLATFORM, c.slice, c.name)["outputs"].items()}
+    ours = c.ours(c.inputs())
+    assert float((ours["h_post"].double() - g["h_post"]).abs().max()) > 0.3
+    assert float((ours["x_new"].double() - g["x_new"]).abs().max()) > 0.5
+    # dev's formula, written out with our parameter layout (fp64): it must give dev's golden
+    inp = c.inputs()
+    S, B, n, C = inp["x"].shape
+    x = inp["x"].double().reshape(S * B, n * C)
+    r = 1.0 / (x.norm(dim=-1, keepdim=True) / (n * C) ** 0.5 + 1e-6)
+    h = (x @ inp["fn"].double().T) * r * torch.cat([inp["scale"][0].expand(n), inp["scale"][1].expand(n),
+                                                    inp["scale"][2].expand(n * n)]).double() + inp["base"].double()
+    post = 2 * torch.sigmoid(h[:, n:2 * n])
+    assert float((post.view(S, B, n) - g["h_post"]).abs().max()) < 1e-5
