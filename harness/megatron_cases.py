@@ -843,6 +843,50 @@ mcase("hash_routing", "P4", "megatron.core.transformer.moe.router.TopKRouter._ha
       {"probs": (1e-6, 1e-5), "d_W": (1e-6, 1e-5)}, _hash_inputs)((_hash_ours, _hash_dev))
 
 
+def _hash_layers_inputs():
+    """flash config (43 layers, 3 hash layers): which routers are hash-routed, hybrid and GPT numbering."""
+    return {"name": "flash"}
+
+
+def _hash_layers_ours(inp):
+    from dsv4.model.config import get_config
+    cfg = get_config(inp["name"])
+    ours = torch.tensor([int(cfg.is_hash(i)) for i in range(cfg.num_hidden_layers)])
+    return {"hybrid_ffn_sublayers": ours, "gpt_layers": ours.clone()}
+
+
+def _hash_layers_dev(inp, M):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from dsv4.model.config import get_config
+    from dsv4.model.megatron_config import to_megatron_config
+    _dev_attention(M, 0)                                        # initialises the gloo world of one (once)
+    cfg = get_config(inp["name"])
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    out = {}
+    for layout, key, number in (("hybrid", "hybrid_ffn_sublayers", lambda i: 2 * i + 2), ("gpt", "gpt_layers",
+                                                                                          lambda i: i + 1)):
+        mc = to_megatron_config(cfg, layout)
+        c = M.TransformerConfig(num_layers=cfg.num_hidden_layers, hidden_size=64, num_attention_heads=4,
+                                num_moe_experts=8, moe_router_topk=2, moe_n_hash_layers=mc["moe_n_hash_layers"],
+                                actual_vocab_size=256, moe_router_score_function="sqrtsoftplus",
+                                moe_router_enable_expert_bias=True, add_bias_linear=False,
+                                use_cpu_initialization=True, moe_router_load_balancing_type="seq_aux_loss",
+                                moe_aux_loss_coeff=0.0)
+        out[key] = torch.tensor([int(TopKRouter(config=c, pg_collection=pg, layer_number=number(i)).is_hash_layer)
+                                 for i in range(cfg.num_hidden_layers)])
+    return out
+
+
+mcase("hash_layer_selection", "P4", "megatron.core.transformer.moe.router.TopKRouter.__init__ (is_hash_layer = "
+      "layer_number <= moe_n_hash_layers)",
+      "dev's real TopKRouter built at the layer number of each of our layers' FFN: hybrid path 2i+2 (every pattern "
+      "symbol is one number), GPT path i+1, with moe_n_hash_layers from model/megatron_config.to_megatron_config("
+      "flash, layout) (6 hybrid, 3 gpt); ours: cfg.is_hash(i)",
+      {}, _hash_layers_inputs)((_hash_layers_ours, _hash_layers_dev))
+
+
 # =========================================================================================== P5: clamped SwiGLU
 def _swiglu_inputs(limit):
     """clamped_swiglu_debug's gate/up [3, 17] ~ 4 N(0,1) (seed 0)."""
