@@ -942,6 +942,19 @@ DIFF_CASES.append(MCase(
     "hyper_connection_module's inputs with the streams scaled by 1e-3 (RMS 1e-3 = sqrt(eps))"))
 
 
+def _hc_bf16_inputs():
+    inp = _hc_inputs(1.0)
+    return dict(inp, x=inp["x"].bfloat16(), f=inp["f"].bfloat16())
+
+
+DIFF_CASES.append(MCase(
+    "mhc_bf16_mixing_weights", "ext_4531", _hc_bf16_inputs, _hc_small_ours, _hc_small_dev,
+    "megatron.core.transformer.hyper_connection.HyperConnectionModule.compute_mappings (returns h_pre, h_post, "
+    "h_res cast to the activation dtype) + native_h_post_bda", _HC_MAP + "; bf16 streams and sublayer output",
+    {k: (1e-2, 1e-2) for k in ("aggregated", "h_post", "h_res", "x_new")},
+    "hyper_connection_module's inputs with x and f in bf16 (parameters fp32)"))
+
+
 def by_slice() -> dict[str, list[MCase]]:
     out: dict[str, list[MCase]] = {}
     for c in CASES:

@@ -165,3 +165,20 @@ def test_documented_mhc_norm_difference_is_the_stated_one():
                                                     inp["scale"][2].expand(n * n)]).double() + inp["base"].double()
     post = 2 * torch.sigmoid(h[:, n:2 * n])
     assert float((post.view(S, B, n) - g["h_post"]).abs().max()) < 1e-5
+
+
+def test_documented_bf16_rounding_of_mixing_weights():
+    """ext_4531 [[differences]] 'bf16 rounding of the mHC mixing weights': dev's bf16 h_post / h_res are our fp32
+    ones rounded to bf16 (1 ulp at most), and the new streams differ by at most 1 bf16 ulp of their magnitude."""
+    c = MC.get("mhc_bf16_mixing_weights")
+    gd = G.load_case(MI.PLATFORM, c.slice, c.name)["outputs"]
+    assert gd["h_post"]["dtype"] == "bfloat16" and gd["h_res"]["dtype"] == "bfloat16"
+    g = {k: G.decode_tensor(v) for k, v in gd.items()}
+    ours = c.ours(c.inputs())
+    for k in ("h_post", "h_res"):
+        assert ours[k].dtype == torch.float32
+        same = (ours[k].bfloat16().double() == g[k]).double().mean()
+        assert same >= 0.95, (k, float(same))
+        assert float((ours[k].double() - g[k]).abs().max()) <= 2 ** -8 * 2 + 1e-6     # <= 1 ulp at |w| < 2
+    x_ulp = 2 ** -8 * float(g["x_new"].abs().max())
+    assert 0 < float((ours["x_new"].double() - g["x_new"]).abs().max()) <= 2 * x_ulp
