@@ -188,11 +188,15 @@ def graph_cmd(fmt, focus, rounds, out, platform, labels, as_json):
               help="Reuse test results from this junit xml instead of running pytest again.")
 @click.option("--skip-tests", is_flag=True, help="Golden checks only (the slices' tests are not run or counted).")
 @click.option("-n", "--workers", default=0, type=int, help="pytest-xdist workers for the tests (0 = in one process).")
+@click.option("--against", default=None, type=click.Choice(["megatron-dev"]),
+              help="Compare ours with Megatron-LM dev's outputs (goldens/megatron-dev/, see goldens import-megatron).")
 @click.option("--json", "as_json", is_flag=True)
-def verify_cmd(sid, with_deps, platform, mode, report_dir, junit, skip_tests, workers, as_json):
+def verify_cmd(sid, with_deps, platform, mode, report_dir, junit, skip_tests, workers, as_json, against=None):
     """Run slices' tests and golden checks; print each check with its numbers and verdict."""
     if workers and not skip_tests and junit is None and importlib.util.find_spec("xdist") is None:
         raise BadInput(f"-n {workers}: pytest-xdist is not installed (pip install pytest-xdist, or run with -n 0)")
+    if against:
+        _verify_against_megatron(sid, report_dir, as_json)
     select_triton_interpreter()
     from dsv4.harness import verify as V
     reg = registry()
@@ -315,6 +319,41 @@ def import_cmd(logdir, platform, sid, name, step_interval, metrics, force, as_js
         click.echo(line, err=as_json)
     if as_json:
         emit_json({"file": str(path), "metrics": {k: len(v["values"]) for k, v in doc.items()}, "diff": diff})
+
+
+# ------------------------------------------------------------------------------------------- megatron-dev oracle
+@goldens_grp.command("import-megatron")
+@click.option("--megatron-lm", "megatron_lm", required=True, type=click.Path(exists=True, file_okay=False),
+              help="A Megatron-LM checkout at a dev commit with DSv4 code (csa.py, hyper_connection.py).")
+@click.option("--slice", "sid", default=None, help="Only this slice's megatron-dev cases.")
+@click.option("--json", "as_json", is_flag=True)
+def import_megatron_cmd(megatron_lm, sid, as_json):
+    """Run Megatron-LM dev's own functions on our cases' inputs; write goldens/megatron-dev/<slice>/<case>.json."""
+    from dsv4.harness import megatron_import as MI
+    try:
+        written = MI.import_megatron(Path(megatron_lm), sid, log=lambda m: click.echo(m, err=True))
+    except MI.ImportError_ as e:
+        raise BadInput(str(e)) from None
+    if as_json:
+        emit_json({"platform": MI.PLATFORM, "written": written})
+
+
+def _verify_against_megatron(sid, report_dir, as_json):
+    """`dsv4 verify --against megatron-dev`: ours vs the imported dev goldens (no Megatron checkout needed)."""
+    from dsv4.harness import megatron_import as MI
+    from dsv4.harness import verify as V
+    try:
+        doc = MI.verify_against(sid, log=lambda m: click.echo(m, err=True))
+    except MI.ImportError_ as e:
+        raise BadInput(str(e)) from None
+    if report_dir:
+        click.echo(f"report: {V.write_report(doc, Path(report_dir))}", err=True)
+    click.echo(f"verify against {MI.PLATFORM}: {doc['verdict'].upper()} ({doc['n_modules']} cases, "
+               f"{sum(s['verdict'] == 'pass' for s in doc['slices'])}/{len(doc['slices'])} slices pass) "
+               f"in {doc['elapsed_s']}s", err=True)
+    if as_json:
+        emit_json(doc)
+    sys.exit(doc["exit_code"])
 
 
 # ------------------------------------------------------------------------------------------- bench

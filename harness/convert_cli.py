@@ -1,5 +1,5 @@
-"""`dsv4 convert SRC DST [--from auto|hf|official|train] --to hf|official [--json]` (checkpoint interop,
-model/convert.py).
+"""`dsv4 convert SRC DST [--from auto|hf|official|megatron|train] --to hf|official|megatron [--json]` (checkpoint
+interop, model/convert.py).
 
 `--from auto` (the default): a `dsv4 train` run (its dir, `checkpoints/`, or a step dir) is read as `train`
 (its meta.json carries the model config), anything else as `hf`.
@@ -46,8 +46,9 @@ def _is_train_checkpoint(src: str) -> bool:
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
 @click.option("--from", "src_format", default="auto", show_default=True,
-              help="auto | hf | official | train (a `dsv4 train` run or checkpoint)")
-@click.option("--to", "dst_format", default="official", show_default=True, help="hf | official")
+              help="auto | hf | official | megatron | train (a `dsv4 train` run or checkpoint)")
+@click.option("--to", "dst_format", default="official", show_default=True,
+              help="hf | official | megatron (dev HybridModel names + config fields)")
 @click.option("--hf-clamp-shared-expert", "clamp_shared", is_flag=True,
               help="--to hf of an unclamped model (DeepSeek's code): export HF's clamped shared expert instead of refusing")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary")

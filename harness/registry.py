@@ -27,6 +27,14 @@ REQUIRED = {
 }
 
 
+# optional manifest fields: a note on the edges, and the differences found between implementations
+OPTIONAL = {"depends_on_note": str, "differences": list}
+# a [[differences]] entry: what differs, what Megatron-LM dev does, what we do, which side we follow and why
+DIFF_REQUIRED = ("what", "dev", "ours", "follow", "why")
+DIFF_OPTIONAL = ("hf", "official", "measured", "checked_by")
+DIFF_FOLLOW = ("ours", "dev", "hf", "official", "both")
+
+
 class RegistryError(ValueError):
     """Bad slice data; the message is one line naming the file / slice / field."""
 
@@ -46,6 +54,7 @@ class Slice:
     folder: Path
     depends_on_note: str = ""
     waiver: list = dataclasses.field(default_factory=list)    # [{dependency, reason}]
+    differences: list = dataclasses.field(default_factory=list)
 
     def waived(self, dep: str) -> str | None:
         return next((w["reason"] for w in self.waiver if w["dependency"] == dep), None)
@@ -78,9 +87,20 @@ def _load_manifest(path: Path) -> Slice:
             raise RegistryError(f"{rel}: missing field '{field}'")
         if not isinstance(data[field], typ):
             raise RegistryError(f"{rel}: field '{field}' must be a {typ.__name__}")
-    extra = set(data) - set(REQUIRED) - {"depends_on_note", "waiver"}
+    extra = set(data) - set(REQUIRED) - set(OPTIONAL) - {"waiver"}
     if extra:
         raise RegistryError(f"{rel}: unknown field '{sorted(extra)[0]}'")
+    for k, d in enumerate(data.get("differences", [])):
+        if not isinstance(d, dict):
+            raise RegistryError(f"{rel}: differences[{k}] must be a table")
+        for f in DIFF_REQUIRED:
+            if not isinstance(d.get(f), str) or not d[f].strip():
+                raise RegistryError(f"{rel}: differences[{k}] needs a non-empty string '{f}'")
+        unknown = set(d) - set(DIFF_REQUIRED) - set(DIFF_OPTIONAL)
+        if unknown:
+            raise RegistryError(f"{rel}: differences[{k}] has unknown key '{sorted(unknown)[0]}'")
+        if d["follow"] not in DIFF_FOLLOW:
+            raise RegistryError(f"{rel}: differences[{k}].follow is {d['follow']!r}, expected one of {', '.join(DIFF_FOLLOW)}")
     if data["kind"] not in KINDS:
         raise RegistryError(f"{rel}: field 'kind' is {data['kind']!r}, expected one of {', '.join(KINDS)}")
     for p in PLATFORMS:

@@ -486,17 +486,44 @@ def save_official(model, directory: str) -> None:
     _write_dir(directory, config_to_hf(model.cfg), ours_to_official(model.state_dict()))
 
 
+def save_megatron(model, directory: str, layout: str = "hybrid") -> None:
+    """DSv4Model -> a Megatron-Core directory: config.json = {"megatron": dev's config fields (model/megatron_config's
+    one table), "megatron_layout", "dsv4_config"}, model.safetensors in dev's names (`ours_to_megatron`)."""
+    from .megatron_config import dev_behaves_differently, dev_rejects, to_megatron_config
+    meg = to_megatron_config(model.cfg, layout)
+    cfg = {"megatron": meg, "megatron_layout": layout, "megatron_dev_would_reject": dev_rejects(meg),
+           "megatron_dev_differs": dev_behaves_differently(model.cfg), "dsv4_config": model.cfg.to_dict()}
+    _write_dir(directory, cfg, ours_to_megatron(model.state_dict(), layout))
+
+
+def load_megatron(directory: str, **overrides):
+    """Inverse of `save_megatron` (the layout is read from config.json)."""
+    from .megatron_config import from_megatron_config
+    d, sd, where = _read_dir(directory)
+    if "megatron" not in d:
+        raise CheckpointError(f"{directory}/config.json: no 'megatron' config (not written by save_megatron)")
+    layout = d.get("megatron_layout", "hybrid")
+    base = DSv4Config(**d["dsv4_config"]) if d.get("dsv4_config") else None
+    cfg = from_megatron_config(d["megatron"], layout, base)
+    if overrides:
+        cfg = cfg.replace(**overrides)
+    model = _build(cfg)
+    load_checked(model, megatron_to_ours(sd, layout), where)
+    return model
+
+
 def convert(src: str, dst: str, src_format: str, dst_format: str, clamp_shared_expert: bool = False,
             model=None) -> dict:
-    """Convert a checkpoint directory between "hf" and "official" (or save `model`, loaded by the caller from
-    `src`, e.g. a `dsv4 train` checkpoint); returns a small summary dict.
-    `clamp_shared_expert`: see `to_hf` (an unclamped model goes to HF only as HF's clamped model)."""
-    loaders = {"hf": from_hf, "official": load_official}
-    savers = {"hf": to_hf, "official": save_official}
+    """Convert a checkpoint directory between "hf", "official" and "megatron" (dev's HybridModel names and
+    config fields), or save `model`, loaded by the caller from `src` (e.g. a `dsv4 train` checkpoint); returns a
+    small summary dict. `clamp_shared_expert`: see `to_hf` (an unclamped model goes to HF only as HF's clamped
+    model)."""
+    loaders = {"hf": from_hf, "official": load_official, "megatron": load_megatron}
+    savers = {"hf": to_hf, "official": save_official, "megatron": save_megatron}
     if model is None and src_format not in loaders:
-        raise CheckpointError(f"--from: unknown format {src_format!r} (auto | hf | official | train)")
+        raise CheckpointError(f"--from: unknown format {src_format!r} (auto | hf | official | megatron | train)")
     if dst_format not in savers:
-        raise CheckpointError(f"--to: unknown format {dst_format!r} (hf | official)")
+        raise CheckpointError(f"--to: unknown format {dst_format!r} (hf | official | megatron)")
     model = model if model is not None else loaders[src_format](src)
     if dst_format == "hf":
         to_hf(model, dst, clamp_shared_expert=clamp_shared_expert)

@@ -1,0 +1,257 @@
+"""Megatron-LM dev as an oracle: import dev's outputs on our cases as goldens, and verify ours against them.
+
+    dsv4 goldens import-megatron --megatron-lm /path/to/Megatron-LM [--slice D1]
+        runs, in a subprocess whose sys.path starts with that checkout (so dev's `megatron` package shadows the
+        installed megatron-core 0.16.1; torch.compile disabled: dev decorates its eager mHC ops with it, the
+        eager semantics are the same), dev's own functions on the inputs and weights that
+        `harness/megatron_cases.py` defines, and writes goldens/megatron-dev/<slice>/<case>.json (our golden
+        format) with provenance: Megatron repo, commit, the dev function called, our weight mapping.
+    dsv4 verify --against megatron-dev [--slice D1]
+        runs OUR side of every case and compares it with those goldens under the case's stated tolerances.
+        A missing golden is "cannot judge" (exit 2), a failed check a regression (exit 1); no Megatron checkout
+        is needed.
+
+Megatron's code is never copied into this repository: only its outputs, the commit and our mapping are stored.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PLATFORM = "megatron-dev"
+MEGATRON_REPO = "https://github.com/NVIDIA/Megatron-LM"
+PINNED_COMMIT = "d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1"   # dev, 2026-08-21 (issue 15)
+CONFIG_FIELDS = "slices/D4/megatron_dev_config_fields.json"      # dev's config field names (written on import)
+
+
+class ImportError_(ValueError):
+    """One-line failure of the importer (bad checkout, dev function missing, worker crash)."""
+
+
+def _pin_numerics():
+    import torch
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    torch.set_float32_matmul_precision("highest")
+
+
+def dev_commit(path: Path) -> tuple[str, str]:
+    """(sha, commit date) of the checkout at `path`; ('unknown', '') without git metadata."""
+    try:
+        out = subprocess.run(["git", "-C", str(path), "log", "-1", "--format=%H %cI"], capture_output=True,
+                             text=True, timeout=20).stdout.split()
+        if len(out) == 2 and len(out[0]) == 40:
+            return out[0], out[1]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown", ""
+
+
+def check_checkout(path: Path) -> None:
+    need = ["megatron/core/transformer/experimental_attention_variant/csa.py",
+            "megatron/core/transformer/hyper_connection.py", "megatron/core/transformer/moe/router.py",
+            "megatron/core/fusions/fused_bias_swiglu.py"]
+    for rel in need:
+        if not (path / rel).exists():
+            raise ImportError_(f"--megatron-lm {path}: no {rel} (not a Megatron-LM dev checkout with DSv4 code)")
+
+
+# ------------------------------------------------------------------------------------------- worker side
+def _dev_modules(path: str):
+    """Dev's modules, imported from `path` (first on sys.path)."""
+    import contextlib
+
+    import torch
+    # CPU torch has no NVTX; dev wraps regions in torch.cuda.nvtx.range: make them no-ops (no numerics involved)
+    torch.cuda.nvtx.range = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.nvtx.range_push = lambda *a, **k: None
+    torch.cuda.nvtx.range_pop = lambda *a, **k: None
+    # dev's rotary tables move themselves to torch.cuda.current_device(): on this CPU build that is the CPU
+    torch.cuda.current_device = lambda: "cpu"
+    sys.path.insert(0, path)
+    import megatron.core      # `megatron` itself is a namespace package in dev (no __init__.py)
+    where = Path(megatron.core.__file__).resolve()
+    if not where.is_relative_to(Path(path).resolve()):
+        raise ImportError_(f"imported megatron from {where}, not from {path}")
+    from megatron.core.fusions import fused_bias_swiglu as swiglu
+    from megatron.core.transformer import hyper_connection as hc
+    from megatron.core.transformer.experimental_attention_variant import csa, dsa, dsa_masking
+    from megatron.core.transformer.moe import router
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    class M:
+        pass
+    M.dsa_masking, M.MLATransformerConfig = dsa_masking, MLATransformerConfig
+    M.csa, M.dsa, M.hc, M.router, M.swiglu, M.TransformerConfig = csa, dsa, hc, router, swiglu, TransformerConfig
+    M.file = str(where)
+    return M
+
+
+def _worker(path: str, out_path: str, names: list[str]) -> None:
+    import warnings
+    warnings.filterwarnings("ignore")
+    _pin_numerics()
+    from dsv4.harness import goldens as G
+    from dsv4.harness import megatron_cases as MC
+    from dsv4.harness.cases import MAX_ELEMS
+    M = _dev_modules(path)
+    res = {"megatron_file": M.file, "cases": {}}
+    for n in names:
+        c = MC.get(n)
+        out = c.dev(c.inputs(), M)
+        res["cases"][n] = G.encode_outputs(out, MAX_ELEMS)
+    import dataclasses
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    res["config_fields"] = sorted(f.name for f in dataclasses.fields(MLATransformerConfig))
+    Path(out_path).write_text(json.dumps(res))
+
+
+def run_dev(path: Path, names: list[str]) -> dict:
+    """Run dev's side of `names` in a subprocess (checkout first on sys.path). Returns {name: encoded outputs}."""
+    with tempfile.TemporaryDirectory(prefix="dsv4-mdev-") as td:
+        out = Path(td) / "dev.json"
+        env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        cmd = [sys.executable, "-m", "dsv4.harness.megatron_import", "_worker", str(path), str(out), *names]
+        t0 = time.time()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
+        if proc.returncode != 0 or not out.exists():
+            tail = [line for line in (proc.stderr or proc.stdout).strip().splitlines() if line.strip()][-1:]
+            raise ImportError_(f"dev worker failed (exit {proc.returncode}): {' '.join(tail)}")
+        doc = json.loads(out.read_text())
+        doc["elapsed_s"] = round(time.time() - t0, 1)
+        return doc
+
+
+# ------------------------------------------------------------------------------------------- import
+def select(slice_name: str | None):
+    from . import megatron_cases as MC
+    from .registry import Registry
+    cases = MC.CASES
+    if slice_name:
+        sl = Registry.load().get(slice_name)
+        cases = [c for c in cases if c.slice == sl.name]
+        if not cases:
+            raise ImportError_(f"slice {sl.id}: no megatron-dev cases (slices with cases: "
+                               f"{', '.join(sorted(MC.by_slice()))})")
+    return cases
+
+
+def import_megatron(path: Path, slice_name: str | None = None, log=print) -> list[dict]:
+    from . import goldens as G
+    path = Path(path).resolve()
+    check_checkout(path)
+    sha, date = dev_commit(path)
+    cases = select(slice_name)
+    from . import megatron_cases as MC
+    cases = cases + [c for c in MC.DIFF_CASES if c.slice in {x.slice for x in cases}]
+    doc = run_dev(path, [c.name for c in cases])
+    written = []
+    for c in cases:
+        enc = doc["cases"][c.name]
+        old = G.load_case(PLATFORM, c.slice, c.name)
+        prov = G.provenance(PLATFORM, config={"case": c.name, "mapping": c.mapping}, seed=None,
+                            command=f"dsv4 goldens import-megatron --megatron-lm {path}"
+                                    + (f" --slice {slice_name}" if slice_name else ""))
+        prov.update({"megatron_repo": MEGATRON_REPO, "megatron_commit": sha, "megatron_commit_date": date,
+                     "megatron_pinned": sha == PINNED_COMMIT, "megatron_module_file": doc["megatron_file"],
+                     "dev_function": c.function, "weight_mapping": c.mapping, "case_inputs": c.doc,
+                     "torch_compile": "disabled (TORCHDYNAMO_DISABLE=1; eager semantics)",
+                     "ours": "dsv4.harness.megatron_cases." + c.ours.__name__})
+        gdoc = {"format": G.FORMAT, "slice": c.slice, "case": c.name, "platform": PLATFORM, "provenance": prov,
+                "outputs": enc}
+        p = G.case_path(PLATFORM, c.slice, c.name)
+        G.atomic_write_json(p, gdoc)
+        lines = G.diff_outputs(old["outputs"] if old else None, enc)
+        log(f"{G._rel(p)}")
+        for line in lines:
+            log(line)
+        written.append({"case": c.name, "slice": c.slice, "path": G._rel(p), "diff": lines})
+    from .registry import REPO
+    fields_path = REPO / CONFIG_FIELDS
+    G.atomic_write_json(fields_path, {
+        "what": "field names of Megatron-LM dev's MLATransformerConfig (dataclasses.fields), the truth for "
+                "model/megatron_config.py's FIELD_MAP", "megatron_repo": MEGATRON_REPO, "megatron_commit": sha,
+        "megatron_commit_date": date, "command": "dsv4 goldens import-megatron", "fields": doc["config_fields"]})
+    log(f"{CONFIG_FIELDS}: {len(doc['config_fields'])} MLATransformerConfig fields")
+    log(f"dev {sha[:12]} ({date}) via {doc['megatron_file']}: {len(written)} goldens in {doc['elapsed_s']}s")
+    return written
+
+
+# ------------------------------------------------------------------------------------------- verify
+def verify_against(slice_name: str | None = None, log=print) -> dict:
+    """Ours vs the stored megatron-dev goldens. Exit code 1 regression, 2 cannot judge, 0 pass."""
+    import torch
+
+    from . import goldens as G
+    _pin_numerics()
+    torch.manual_seed(0)
+    t_start = time.time()
+    cases = select(slice_name)
+    by: dict[str, list] = {}
+    for c in cases:
+        by.setdefault(c.slice, []).append(c)
+    results = []
+    for sl, cs in by.items():
+        recs = []
+        for c in cs:
+            try:
+                golden = G.load_case(PLATFORM, c.slice, c.name)
+            except G.GoldenError as e:
+                recs.append({"check": c.name, "kind": "golden", "verdict": "error", "detail": str(e)})
+                continue
+            if golden is None:
+                recs.append({"check": c.name, "kind": "golden", "verdict": "missing",
+                             "detail": f"no golden goldens/{PLATFORM}/{c.slice}/{c.name}.json (run: dsv4 goldens "
+                                       f"import-megatron --megatron-lm PATH --slice {c.slice})"})
+                continue
+            t0 = time.time()
+            try:
+                out = c.ours(c.inputs())
+            except Exception as e:  # noqa: BLE001 - a crashing case cannot be judged; say why
+                recs.append({"check": c.name, "kind": "golden", "verdict": "error",
+                             "detail": f"case raised {type(e).__name__}: {e}"})
+                continue
+            gouts = golden["outputs"]
+            for o in sorted(set(gouts) | set(out)):
+                if o not in gouts:
+                    recs.append({"check": f"{c.name}.{o}", "kind": "golden", "verdict": "fail",
+                                 "detail": "output not in the megatron-dev golden (re-import needed?)"})
+                    continue
+                r = G.compare_output(o, gouts[o], out.get(o), c.tol)
+                r["check"] = f"{c.name}.{o}"
+                r["time_s"] = round(time.time() - t0, 3)
+                recs.append(r)
+        from .verify import fmt, slice_verdict
+        v = slice_verdict(recs)
+        log(f"{sl}  (against {PLATFORM})")
+        for r in recs:
+            log(fmt(r))
+        n_pass = sum(r["verdict"] == "pass" for r in recs)
+        log(f"  => {v.upper()} ({n_pass}/{len(recs)} checks pass)")
+        results.append({"id": sl, "verdict": v, "checks": recs, "n_checks": len(recs), "n_pass": n_pass,
+                        "megatron_commits": sorted({(G.load_case(PLATFORM, c.slice, c.name) or {}).get(
+                            "provenance", {}).get("megatron_commit", "missing") for c in cs})})
+    verdicts = [r["verdict"] for r in results]
+    if "regression" in verdicts:
+        overall, code = "regression", 1
+    elif "cannot-judge" in verdicts or not verdicts:
+        overall, code = "cannot-judge", 2
+    else:
+        overall, code = "pass", 0
+    return {"platform": PLATFORM, "against": PLATFORM, "mode": "tolerance (per case, megatron_cases.py)",
+            "verdict": overall, "exit_code": code,
+            "elapsed_s": round(time.time() - t_start, 2), "slices": results,
+            "n_modules": len(cases), "provenance": G.provenance("cpu")}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 4 and sys.argv[1] == "_worker":
+        _worker(sys.argv[2], sys.argv[3], sys.argv[4:])
+    else:
+        print("usage: python -m dsv4.harness.megatron_import _worker PATH OUT.json CASE...", file=sys.stderr)
+        sys.exit(2)
