@@ -21,6 +21,11 @@ from dsv4.model.config import get_config  # noqa: E402
 from dsv4.model.model import DSv4Model  # noqa: E402
 
 torch._inductor.config.compile_threads = 1        # no compile worker pool on the 2-core machine
+# Under ATEN_CPU_CAPABILITY=default (a simulated host without AVX, harness/numerics.py) torch 2.13's Inductor still
+# emits at::vec code that the headers then do not declare (CppCompileError "'at::vec' has not been declared"):
+# compile scalar C++ there (simdlen 1 = no vectorisation), as ATen itself runs scalar kernels on such a host.
+if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+    torch._inductor.config.cpp.simdlen = 1
 
 
 def _model(**over) -> DSv4Model:
