@@ -14,17 +14,17 @@ def _register_triton():
         _SCORES["triton"], _TOPK["triton"] = _triton.indexer_scores, _triton.indexer_topk
 
 
-def indexer_scores(qI, kI, w, ratio: int, backend: str = "naive"):
-    """qI [S,B,nI,cI], kI [T,B,cI], w [S,B,nI] -> I [S,B,T] fp32. See `naive.indexer_scores`."""
+def indexer_scores(qI, kI, w, ratio: int, seg_q, pos_q, entry_seg, entry_j, backend: str = "naive"):
+    """qI [Tq,nI,cI], kI [N,cI], w [Tq,nI] + document metadata -> I [Tq,N] fp32. See `naive.indexer_scores`."""
     if backend == "triton":
         _register_triton()
     if backend not in _SCORES:
         raise ValueError(f"indexer_scores: unknown backend {backend!r}; known: {', '.join(_SCORES)}")
-    return _SCORES[backend](qI, kI, w, ratio)
+    return _SCORES[backend](qI, kI, w, ratio, seg_q, pos_q, entry_seg, entry_j)
 
 
 def indexer_topk(I, k: int, backend: str = "naive"):
-    """I [S,B,T] -> idx [S,B,min(k,T)] long, -1 = not causal; ties -> lower index first."""
+    """I [Tq,N] -> idx [Tq,min(k,N)] long, -1 = not visible; ties -> lower index first."""
     if backend == "triton":
         _register_triton()
     if backend not in _TOPK:

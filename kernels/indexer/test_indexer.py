@@ -1,7 +1,7 @@
-"""Triton indexer scoring / top-k vs the naive reference (spec §7.2): scores (incl. the -inf causal mask),
-gradients of qI, kI, w; top-k indices EXACTLY equal (ties -> lower index first, -1 for non-causal picks);
-the chunked `indexer_select` equals top-k of the full scores."""
-from dsv4.kernels._testing import CUDA, assert_close, assert_rel, use_interpreter
+"""Triton indexer scoring / top-k vs the naive reference (spec §7.2) on packed streams: scores (incl. the -inf
+mask of other documents and not-yet-complete entries), gradients of qI, kI, w; top-k indices EXACTLY equal (ties
+-> lower index first, -1 for not visible picks); the chunked `indexer_select` equals top-k of the full scores."""
+from dsv4.kernels._testing import CUDA, assert_close, assert_rel, packed_meta, use_interpreter
 
 use_interpreter()
 
@@ -9,28 +9,35 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+from dsv4.kernels.compressor.naive import entry_slots  # noqa: E402
 from dsv4.kernels.indexer import indexer_scores, indexer_topk  # noqa: E402
 from dsv4.kernels.indexer import triton as tri  # noqa: E402
+from dsv4.kernels.indexer.naive import causal_entry_mask  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
-CASES = [(13, 2, 3, 20, 4), (37, 1, 2, 16, 3)]
-REAL = [(2048, 1, 64, 128, 4)]
+CASES = [([13], None, 3, 20, 4), ([37], None, 2, 16, 3), ([9, 21, 3, 14], [1, 0, 2, 3], 3, 20, 4),
+         ([40, 1, 23], [3, 0, 0], 2, 16, 3)]
+REAL = [([2048], None, 64, 128, 4), ([700, 1348], None, 64, 128, 4)]
 
 
-def _inputs(S, B, nI, cI, ratio, dt, seed=0):
+def _inputs(lens, pads, nI, cI, ratio, dt, seed=0):
     gen = torch.Generator(device=DEV).manual_seed(seed)
-    q = torch.randn(S, B, nI, cI, generator=gen, device=DEV).to(dt).requires_grad_()
-    k = torch.randn(S // ratio, B, cI, generator=gen, device=DEV).to(dt).requires_grad_()
-    w = torch.randn(S, B, nI, generator=gen, device=DEV).to(dt).requires_grad_()
-    return q, k, w
+    seg, pos = packed_meta(lens, pads, DEV)
+    T = seg.numel()
+    ends, valid, ej = entry_slots(seg, pos, ratio)
+    eseg = torch.where(valid, seg[ends], torch.full_like(ends, -1))
+    q = torch.randn(T, nI, cI, generator=gen, device=DEV).to(dt).requires_grad_()
+    k = torch.randn(ends.numel(), cI, generator=gen, device=DEV).to(dt).requires_grad_()
+    w = torch.randn(T, nI, generator=gen, device=DEV).to(dt).requires_grad_()
+    return q, k, w, (seg, pos, eseg, ej)
 
 
-@pytest.mark.parametrize("S,B,nI,cI,ratio", CASES + (REAL if CUDA else []))
-def test_scores_match_naive(S, B, nI, cI, ratio):
-    dt = torch.bfloat16 if S > 1000 else torch.float32
-    q, k, w = _inputs(S, B, nI, cI, ratio, dt)
-    I = indexer_scores(q, k, w, ratio, backend="triton")
-    ref = indexer_scores(q, k, w, ratio, backend="naive")
+@pytest.mark.parametrize("lens,pads,nI,cI,ratio", CASES + (REAL if CUDA else []))
+def test_scores_match_naive(lens, pads, nI, cI, ratio):
+    dt = torch.bfloat16 if sum(lens) > 1000 else torch.float32
+    q, k, w, meta = _inputs(lens, pads, nI, cI, ratio, dt)
+    I = indexer_scores(q, k, w, ratio, *meta, backend="triton")
+    ref = indexer_scores(q, k, w, ratio, *meta, backend="naive")
     fin = torch.isfinite(ref)
     assert torch.equal(fin, torch.isfinite(I)) and (I[~fin] == float("-inf")).all()
     dI = torch.randn_like(I)
@@ -48,18 +55,20 @@ def test_scores_match_naive(S, B, nI, cI, ratio):
 
 @pytest.mark.parametrize("k", [1, 3, 6, 50])
 def test_topk_exact_with_ties(k):
-    S, B, T, ratio = 37, 2, 9, 4
+    seg, pos = packed_meta([17, 20], [0, 3], DEV)
+    ratio = 4
+    ends, valid, ej = entry_slots(seg, pos, ratio)
+    eseg = torch.where(valid, seg[ends], torch.full_like(ends, -1))
     gen = torch.Generator(device=DEV).manual_seed(2)
-    I = torch.randint(-3, 3, (S, B, T), generator=gen, device=DEV).float()      # many exact ties
-    I[0, 0, :4] = -0.0                                                         # -0.0 ties with +0.0
-    t = torch.arange(S, device=DEV)
-    I = I.masked_fill(~(torch.arange(T, device=DEV)[None, :] < ((t + 1) // ratio)[:, None])[:, None], float("-inf"))
+    I = torch.randint(-3, 3, (seg.numel(), ends.numel()), generator=gen, device=DEV).float()   # many ties
+    I[5, :4] = -0.0                                                            # -0.0 ties with +0.0
+    I = I.masked_fill(~causal_entry_mask(seg, pos, eseg, ej, ratio), float("-inf"))
     assert torch.equal(indexer_topk(I, k, backend="triton"), indexer_topk(I, k, backend="naive"))
 
 
 def test_select_equals_topk_of_scores():
-    q, k, w = _inputs(37, 2, 2, 16, 3, torch.float32, seed=3)
+    q, k, w, meta = _inputs([15, 22], [2, 0], 2, 16, 3, torch.float32, seed=3)
     with torch.no_grad():
-        want = indexer_topk(indexer_scores(q, k, w, 3, backend="naive"), 5, backend="naive")
-        got = tri.indexer_select(q, k, w, 3, 5, chunk=16)
+        want = indexer_topk(indexer_scores(q, k, w, 3, *meta, backend="naive"), 5, backend="naive")
+        got = tri.indexer_select(q, k, w, 3, 5, *meta, chunk=16)
     assert torch.equal(got, want)

@@ -6,11 +6,14 @@ from . import naive
 _IMPLS = {"naive": naive.sparse_attn}
 
 
-def sparse_attn(q, kv, comp, comp_idx, sink, window: int, ratio: int, scale: float, backend: str = "naive"):
-    """q [S,B,H,c], kv [S,B,c], comp [T,B,c] | None, comp_idx [S,B,k] | None, sink [H] -> o [S,B,H,c]."""
+def sparse_attn(q, kv, comp, comp_idx, sink, window: int, ratio: int, scale: float, seg, pos, entry_seg=None,
+                entry_j=None, q_offset: int = 0, backend: str = "naive"):
+    """q [Tq,H,c], kv [Tk,c], comp [N,c] | None, comp_idx [Tq,k] | None, sink [H], seg/pos [Tk], entry_seg /
+    entry_j [N] -> o [Tq,H,c]. See `naive.sparse_attn`."""
     if backend == "triton" and "triton" not in _IMPLS:             # lazy: triton is imported only when asked for
         from . import triton as _triton
         _IMPLS["triton"] = _triton.sparse_attn
     if backend not in _IMPLS:
         raise ValueError(f"sparse_attn: unknown backend {backend!r}; known: {', '.join(_IMPLS)}")
-    return _IMPLS[backend](q, kv, comp, comp_idx, sink, window, ratio, scale)
+    return _IMPLS[backend](q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j,
+                           q_offset)

@@ -8,6 +8,7 @@ TOL = (1e-5, 1e-4)
 
 def _layer(layer_idx, **over):
     from dsv4.model.attention import DSv4Attention
+from dsv4.model.losses import AuxLosses
     from dsv4.model.config import get_config
     cfg = get_config("debug", **over)
     torch.manual_seed(0)
@@ -35,9 +36,10 @@ def attention_window_debug():
 def attention_csa_debug():
     """CSA layer (layer 1, m = 4, top-4 of 9 entries), S = 37: output and the selected entries (exact)."""
     attn, h = _layer(1)
+    aux = AuxLosses()
     with torch.no_grad():
-        out = attn(h)
-    return {"out": out, "selected": attn.last_topk}
+        out = attn(h, aux=aux)
+    return {"out": out, "selected": aux.picks(1, (1, 37))}
 
 
 @golden_case("attention_hca_debug", tol={"out": TOL})
