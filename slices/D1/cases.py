@@ -2,13 +2,13 @@
 import torch
 
 from dsv4.harness.cases import golden_case
+from dsv4.model.losses import AuxLosses
 
 TOL = (1e-5, 1e-4)
 
 
 def _layer(layer_idx, **over):
     from dsv4.model.attention import DSv4Attention
-from dsv4.model.losses import AuxLosses
     from dsv4.model.config import get_config
     cfg = get_config("debug", **over)
     torch.manual_seed(0)
