@@ -152,6 +152,15 @@ class Layout:
         return cls(seg.to(device), pos.to(device), (B, S), cu, cup)
 
     @classmethod
+    def from_static_buffer(cls, buf: torch.Tensor, shape: tuple[int, int]) -> "Layout":
+        """The layout of a static PackedSeqParams buffer (model/packed_seq.py, #5672): seg / pos derived on the
+        buffer's device with static shapes and no host synchronisation (CUDA-graph capturable)."""
+        from .packed_seq import seg_pos_static
+        B, S = shape
+        seg, pos = seg_pos_static(buf, B * S)
+        return cls(seg, pos, (B, S), buf[0], buf[2])
+
+    @classmethod
     def from_packed_seq_params(cls, psp, shape: tuple[int, int], device=None) -> "Layout":
         cu, cup = from_packed_seq_params(psp)
         return cls.packed(cu, shape, cup, device)

@@ -56,7 +56,8 @@ def test_padded_metadata_gives_identical_attention(layer):
     with torch.no_grad():
         ref = attn(h, Layout.packed(cu, tuple(h.shape[:2]), cup))
         got = attn(h, Layout.packed(buf[0].long(), tuple(h.shape[:2]), buf[2].long()))   # 4 zero-length docs
-    assert torch.equal(got, ref)
+        static = attn(h, Layout.from_static_buffer(buf, tuple(h.shape[:2])))              # no host sync
+    assert torch.equal(got, ref) and torch.equal(static, ref)
 
 
 def test_refusals():
