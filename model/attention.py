@@ -58,6 +58,28 @@ def attention_halo(cfg: DSv4Config, layer_idx: int) -> int:
     return need
 
 
+def _cat_selections(sels):
+    """Per-row selections (idx into that row's entries) -> one selection over the rows' concatenated entries."""
+    if sels[0] is None:
+        return None
+    idx, es, ej, off = [], [], [], 0
+    for i, s, j in sels:
+        idx.append(torch.where(i >= 0, i + off, i))
+        es.append(s)
+        ej.append(j)
+        off += s.shape[0]
+    return torch.cat(idx), torch.cat(es), torch.cat(ej)
+
+
+def _combine_losses(losses):
+    """Per-row (mean, count) -> the mean over all rows' queries with a candidate, and the total count."""
+    if losses[0] is None:
+        return None
+    n = torch.stack([c for _, c in losses]).sum()
+    total = torch.stack([l * c for l, c in losses]).sum()
+    return total / n.clamp_min(1), n
+
+
 class DSv4Attention(nn.Module):
     def __init__(self, cfg: DSv4Config, layer_idx: int, backend: str = "naive"):
         super().__init__()
@@ -105,7 +127,12 @@ class DSv4Attention(nn.Module):
 
     def forward(self, h: torch.Tensor, layout: Layout | None = None, aux: AuxLosses | None = None,
                 positions: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
-        """h [B,S,d] -> [B,S,d] on `layout` (default: B documents of S tokens, RoPE at `positions` [S])."""
+        """h [B,S,d] -> [B,S,d] on `layout` (default: B documents of S tokens, RoPE at `positions` [S]).
+
+        The projections run on all B*S tokens at once; the token mixing (compressor, indexer, its loss, sparse
+        attention) runs per row of the batch (a document never crosses a row, model/layout.py), so a plain
+        [B, S] batch costs B streams of S tokens, not one stream of B*S (scores [S, S/m] per row, not
+        [B*S, B*S/m])."""
         backend = backend or self.backend
         B, S, d = h.shape
         if layout is None:
@@ -114,7 +141,7 @@ class DSv4Attention(nn.Module):
             raise ValueError("DSv4Attention: positions come from the layout (rope_pos) when a layout is given")
         if layout.shape != (B, S):
             raise ValueError(f"DSv4Attention: h [B, S] = {(B, S)} but the layout describes {layout.shape}")
-        H, c, g, cfg = self.n_heads, self.head_dim, self.o_groups, self.cfg
+        H, c, g = self.n_heads, self.head_dim, self.o_groups
         x, seg, pos, rope_pos, q0 = layout.context(h.reshape(B * S, d), self.halo)     # [T', d], q0 halo rows
         xl, rq = x[q0:], rope_pos[q0:]
         T = xl.shape[0]
@@ -123,19 +150,44 @@ class DSv4Attention(nn.Module):
         q = self.rope(rms_norm(q, None, self.eps), rq)                          # per-head, unweighted
         kv = self.rope(self.kv_norm(self.wkv(x)), rope_pos)                     # [T', c] halo + local keys
 
+        if B == 1:
+            o, sel, loss = self._mix(x, cq, q, kv, (seg, pos, rope_pos, q0), layout, backend)
+        else:                                                                   # one stream per row (no halo)
+            rows = [self._mix(x[r * S:(r + 1) * S], cq[r * S:(r + 1) * S], q[r * S:(r + 1) * S],
+                              kv[r * S:(r + 1) * S], tuple(t[r * S:(r + 1) * S] for t in (seg, pos, rope_pos)) + (0,),
+                              layout, backend) for r in range(B)]
+            o = torch.cat([r[0] for r in rows])
+            sel = _cat_selections([r[1] for r in rows])
+            loss = _combine_losses([r[2] for r in rows])
+        if aux is not None and sel is not None:
+            aux.add_selection(self.layer_idx, *sel)
+        if aux is not None and loss is not None:
+            aux.add_indexer(*loss)
+
+        o = self.rope(o, rq, inverse=True)                                      # rotate back by query position
+        o = o.reshape(T, g, H * c // g)                                         # group i = heads i*H/g..
+        wo_a = self.wo_a.weight.view(g, -1, H * c // g)                         # [g, d_g, H*c/g]
+        z = torch.einsum("tgi,gri->tgr", o, wo_a)                               # [T, g, d_g]
+        return self.wo_b(z.flatten(1)).view(B, S, -1)                           # [T, d] -> [B, S, d]
+
+    def _mix(self, x, cq, q, kv, ctx, layout, backend):
+        """Token mixing of one stream: x [T',d] / kv [T',c] (halo + local rows), cq [T,d_c] / q [T,H,c] (local),
+        ctx = (seg, pos, rope_pos [T'], q_offset) -> (o [T,H,c], selection (idx, entry_seg, entry_j) | None,
+        indexer loss (mean, query count) | None)."""
+        seg, pos, rope_pos, q0 = ctx
+        cfg = self.cfg
         comp = eseg = ej = sel = None
         if self.compressor is not None:
             comp, eseg, ej = layout.gather_entries(*self.compressor(x, seg, pos, rope_pos, q0, backend=backend))
         mode = cfg.indexer_loss_mode
+        selection = None
         if self.indexer is not None:
-            scores, sel, iseg, ij = self.indexer(x.detach(), cq.detach(), (seg, pos, rope_pos, q0), layout,
-                                                 backend=backend)           # [T, N], [T, k]
-            if aux is not None:
-                aux.add_selection(self.layer_idx, sel, iseg, ij)
+            scores, sel, iseg, ij = self.indexer(x.detach(), cq.detach(), ctx, layout, backend=backend)   # [T, N]
+            selection = (sel, iseg, ij)
         use_sel = sel if (self.indexer is not None and mode != "dense") else None   # dense: all entries
         o = sparse_attn(q, kv, comp, use_sel, self.attn_sink, self.window, self.ratio or 1, self.scale,
                         seg, pos, eseg, ej, q0, backend=backend)                # [T, H, c]
-
+        loss = None
         if self.indexer is not None and self.training and mode != "off" and cfg.indexer_loss_coeff != 0:
             N = comp.shape[0]
             if use_sel is None:     # dense: all visible entries
@@ -144,15 +196,9 @@ class DSv4Attention(nn.Module):
                 cand = candidates_from_idx(use_sel, N)                          # [T, N]
             target = indexer_teacher(q, kv, comp, cand, self.attn_sink, self.window, self.scale,
                                      cfg.indexer_teacher, seg, pos, q0, idx=use_sel)
-            loss = cfg.indexer_loss_coeff * indexer_kl_loss(scores, target, cand)
-            if aux is not None:
-                aux.add_indexer(loss, cand.any(-1).sum().to(loss.dtype))       # the mean's query count
-
-        o = self.rope(o, rq, inverse=True)                                      # rotate back by query position
-        o = o.reshape(T, g, H * c // g)                                         # group i = heads i*H/g..
-        wo_a = self.wo_a.weight.view(g, -1, H * c // g)                         # [g, d_g, H*c/g]
-        z = torch.einsum("tgi,gri->tgr", o, wo_a)                               # [T, g, d_g]
-        return self.wo_b(z.flatten(1)).view(B, S, -1)                           # [T, d] -> [B, S, d]
+            kl = cfg.indexer_loss_coeff * indexer_kl_loss(scores, target, cand)
+            loss = (kl, cand.any(-1).sum().to(kl.dtype))                        # the mean and its query count
+        return o, selection, loss
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, kind={self.kind}, ratio={self.ratio}, backend={self.backend}"

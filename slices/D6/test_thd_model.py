@@ -153,4 +153,6 @@ def test_model_forward_cu_seqlens_is_the_packed_layout():
         ids2 = ids[:, :32].reshape(2, 16)
         c = model(ids2, ids2)
         d = model(ids2.reshape(1, 32), ids2.reshape(1, 32), cu_seqlens=torch.tensor([0, 16, 32]))
-        assert torch.equal(c.logits.reshape(1, 32, -1), d.logits) and torch.allclose(c.loss, d.loss, atol=1e-6)
+        # rows run as separate streams, the packed row as one: equal up to fp32 summation order
+        assert torch.allclose(c.logits.reshape(1, 32, -1), d.logits, atol=1e-5, rtol=0)
+        assert torch.allclose(c.loss, d.loss, atol=1e-6)
