@@ -54,11 +54,11 @@ class Indexer(nn.Module):
 
 
 def candidates_from_idx(idx: torch.Tensor, N: int) -> torch.Tensor:
-    """idx [Tq,k] (-1 = none) -> bool [Tq,N], True at the listed entries."""
+    """idx [..., k] (-1 = none) -> bool [..., N], True at the listed entries."""
     safe = torch.where(idx < 0, torch.full_like(idx, N), idx)
-    cand = torch.zeros(idx.shape[0], N + 1, dtype=torch.bool, device=idx.device)
+    cand = torch.zeros(*idx.shape[:-1], N + 1, dtype=torch.bool, device=idx.device)
     cand.scatter_(-1, safe, True)
-    return cand[:, :N]
+    return cand[..., :N]
 
 
 @torch.no_grad()

@@ -76,7 +76,7 @@ def assemble_losses(cfg, aux: AuxLosses | None = None, lm: tuple | None = None, 
             losses["mtp_1 loss"] = m.detach()
     extra = None
     if aux is not None and aux.indexer:
-        terms = [l.float() * (n / count(n).clamp_min(1)) for l, n in aux.indexer]
+        terms = [l.float() * (n / count(n).clamp_min(1)).float() for l, n in aux.indexer]   # 1.0 on one rank
         il = torch.stack(terms).sum()
         losses["indexer loss"] = il.detach()
         extra = il

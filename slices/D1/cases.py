@@ -56,4 +56,8 @@ def compress_pool_debug():
     from dsv4.kernels.compressor import compress_pool
     g = torch.Generator().manual_seed(3)
     kv, gate, ape = torch.randn(13, 2, 12, generator=g), torch.randn(13, 2, 12, generator=g), torch.randn(4, 12, generator=g)
-    return {"csa": compress_pool(kv, gate, ape, 4, True), "hca": compress_pool(kv[..., :6], gate[..., :6], ape[:, :6], 4, False)}
+    seg, pos = torch.zeros(13, dtype=torch.long), torch.arange(13)         # each batch column: one document
+
+    def pool(kv, gate, ape, overlap):   # [13, 2, W] -> the golden's [13 // 4, 2, D] (the 3 complete windows)
+        return torch.stack([compress_pool(kv[:, b], gate[:, b], ape, 4, overlap, seg, pos)[0][:3] for b in range(2)], 1)
+    return {"csa": pool(kv, gate, ape, True), "hca": pool(kv[..., :6], gate[..., :6], ape[:, :6], False)}
