@@ -135,6 +135,8 @@ class DSv4Attention(nn.Module):
         [B*S, B*S/m])."""
         backend = backend or self.backend
         B, S, d = h.shape
+        if isinstance(layout, torch.Tensor):
+            raise TypeError("DSv4Attention: the second argument is a Layout; pass RoPE positions as positions=...")
         if layout is None:
             layout = Layout.batch(B, S, h.device, positions)
         elif positions is not None:
