@@ -122,11 +122,17 @@ def _bench_sparse_attn(seqs, dense_peer, log):
         elif mode == "hca":
             nkeys += ((t + 1) // ratio).sum().item()
         ins = [x for x in (q, kv, comp, sink) if x is not None]
+        N = 0 if comp is None else comp.shape[0]                     # one document: seg 0, pos 0..S-1
+        meta = (torch.zeros(S, dtype=torch.long, device=dev), t, torch.zeros(N, dtype=torch.long, device=dev),
+                torch.arange(N, device=dev))
+        q1, kv1 = q[:, 0], kv[:, 0]
+        comp1 = None if comp is None else comp[:, 0]
+        idx1 = None if idx is None else idx[:, 0]
         row = {"mode": mode, "S": S, "B": 1, "H": H, "c": c, "window": window, "ratio": ratio if mode != "window" else 0,
                "topk": k, "avg_keys_per_query": nkeys / S}
         try:
-            fwd, bwd = _fwd_bwd(lambda: sparse_attn(q, kv, comp, idx, sink, window, ratio, c ** -0.5, backend="triton"),
-                                ins)
+            fwd, bwd = _fwd_bwd(lambda: sparse_attn(q1, kv1, comp1, idx1, sink, window, ratio, c ** -0.5, *meta,
+                                                    backend="triton"), ins)
             ff, fb = 4.0 * H * c * nkeys, 10.0 * H * c * nkeys
             row.update(fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=ff / fwd * 1e-9, bwd_tflops=fb / bwd * 1e-9,
                        fwd_bwd_ms=fwd + bwd,
@@ -138,14 +144,15 @@ def _bench_sparse_attn(seqs, dense_peer, log):
             row["triton"] = _err(repr(e))
         if S == seqs[0]:
             try:
-                nf, nb = _fwd_bwd(lambda: sparse_attn(q, kv, comp, idx, sink, window, ratio, c ** -0.5), ins, rep=30)
+                nf, nb = _fwd_bwd(lambda: sparse_attn(q1, kv1, comp1, idx1, sink, window, ratio, c ** -0.5, *meta), ins,
+                                  rep=30)
                 row.update(naive_fwd_ms=nf, naive_bwd_ms=nb, speedup_vs_naive=(nf + nb) / (row.get("fwd_bwd_ms") or math.nan))
             except Exception as e:  # noqa: BLE001
                 row["naive"] = _err(repr(e))
             torch.cuda.empty_cache()
         log(row)
         rows.append(row)
-        del q, kv, comp, idx, sink, ins
+        del q, kv, comp, idx, sink, ins, q1, kv1, comp1, idx1
         torch.cuda.empty_cache()
     peers = []
     if dense_peer:
@@ -197,25 +204,28 @@ def _bench_indexer(seqs, log):
         t = torch.arange(S, device=dev)
         pairs = ((t + 1) // ratio).clamp(max=T).sum().item()
         row = {"S": S, "nI": nI, "cI": cI, "ratio": ratio, "T": T, "causal_pairs": pairs}
+        meta = (torch.zeros(S, dtype=torch.long, device=dev), t, torch.zeros(T, dtype=torch.long, device=dev),
+                torch.arange(T, device=dev))                           # one document
+        q, kk, w = q[:, 0], kk[:, 0], w[:, 0]
         try:
-            fwd, bwd = _fwd_bwd(lambda: indexer_scores(q, kk, w, ratio, backend="triton"), [q, kk, w])
+            fwd, bwd = _fwd_bwd(lambda: indexer_scores(q, kk, w, ratio, *meta, backend="triton"), [q, kk, w])
             fl = 2.0 * nI * cI * pairs
             row.update(fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=fl / fwd * 1e-9, bwd_tflops_useful=2 * fl / bwd * 1e-9,
                        bwd_tflops_executed=4 * fl / bwd * 1e-9, fwd_config=str(tri._scores_fwd.best_config))
             with torch.no_grad():
-                I = indexer_scores(q, kk, w, ratio, backend="triton")
+                I = indexer_scores(q, kk, w, ratio, *meta, backend="triton")
                 row["topk_ms"] = _ms(lambda: indexer_topk(I, k, backend="triton"))
                 row["topk_naive_sort_ms"] = _ms(lambda: indexer_topk(I, k, backend="naive"))
                 row["topk_read_tbps"] = I.numel() * 4 / row["topk_ms"] * 1e-9
                 row["topk_equal_naive"] = bool(torch.equal(indexer_topk(I, k, backend="triton"),
                                                            indexer_topk(I, k, backend="naive")))
                 del I
-                row["select_chunked_ms"] = _ms(lambda: tri.indexer_select(q, kk, w, ratio, k), rep=30)
+                row["select_chunked_ms"] = _ms(lambda: tri.indexer_select(q, kk, w, ratio, k, *meta), rep=30)
         except Exception as e:  # noqa: BLE001
             row["triton"] = _err(repr(e))
         if S <= 4096:
             try:
-                nf, nb = _fwd_bwd(lambda: indexer_scores(q, kk, w, ratio), [q, kk, w], rep=30)
+                nf, nb = _fwd_bwd(lambda: indexer_scores(q, kk, w, ratio, *meta), [q, kk, w], rep=30)
                 row.update(naive_fwd_ms=nf, naive_bwd_ms=nb)
             except Exception as e:  # noqa: BLE001
                 row["naive"] = _err(repr(e))
@@ -239,11 +249,13 @@ def _bench_compressor(S, log):
         g = torch.randn(S, 1, W, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
         ape = torch.randn(m, W, device="cuda", generator=gen).requires_grad_()
         row = {"case": name, "S": S, "D": D, "ratio": m, "overlap": ov}
+        seg, pos = torch.zeros(S, dtype=torch.long, device="cuda"), torch.arange(S, device="cuda")   # one document
         by_f = 2 * S * W * 2 + (S // m) * D * 2
         by_b = 4 * S * W * 2 + (S // m) * D * 2
         for backend in ("triton", "naive"):
             try:
-                f, b = _fwd_bwd(lambda: compress_pool(kv, g, ape, m, ov, backend=backend), [kv, g, ape])
+                f, b = _fwd_bwd(lambda: compress_pool(kv[:, 0], g[:, 0], ape, m, ov, seg, pos, backend=backend)[0],
+                                [kv, g, ape])
                 row[backend] = {"fwd_ms": f, "bwd_ms": b, "fwd_tbps": by_f / f * 1e-9, "bwd_tbps": by_b / b * 1e-9}
             except Exception as e:  # noqa: BLE001
                 row[backend] = _err(repr(e))

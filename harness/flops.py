@@ -82,32 +82,24 @@ _VECTOR = ("attn_vec", "compressor_vec", "indexer_vec", "mhc_vec", "norm_vec", "
 
 
 def count_params(cfg: DSv4Config) -> dict:
-    """Total and active parameter counts from the config (arithmetic only; spec §2.1, §11.3 shapes)."""
+    """Total and active parameter counts (spec §2.1, §11.3 shapes): the totals are model/hybrid.count_params (the
+    one parameter count); the FLOP view adds the active MATMUL parameters (6N accounting) from `_layer_params`."""
+    from dsv4.model.hybrid import count_params as model_count_params
+    pc = model_count_params(cfg)
     d, V, n, L = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult, cfg.num_hidden_layers
-    head_hc = n * (n * d) + n + 1                                    # hc_head_fn, base, scale
-    out = {"embedding": V * d, "head": V * d, "final_norm": d, "hc_head": head_hc}
-    tot_layers = act_layers = mm_layers = 0
+    out = {"embedding": pc["embedding"], "head": pc["head"], "total_params": pc["total_main"],
+           "active_params": pc["active"], "active_params_excl_embedding": pc["active_no_embed"]}
+    mm_layers = 0
     for i in range(L):
         p = _layer_params(cfg, i)
-        base = sum(p[k] for k in _MATMUL) + sum(p[k] for k in _VECTOR)
-        tot_layers += base + p["routed_experts_total"]
-        act_layers += base + p["routed_experts_active"]
         mm_layers += sum(p[k] for k in _MATMUL) + p["routed_experts_active"]
-    out["layers_total"], out["layers_active"] = tot_layers, act_layers
-    glob = out["embedding"] + out["head"] + d + head_hc
-    out["total_params"] = glob + tot_layers
-    out["active_params"] = glob + act_layers
-    out["active_params_excl_embedding"] = out["active_params"] - out["embedding"]
     out["active_matmul_params"] = mm_layers + V * d + n * (n * d)    # layers + head + hc_head_fn
-    mtp_tot = mtp_act = mtp_mm = 0
+    mtp_inactive = mtp_mm = 0
     for j in range(cfg.num_nextn_predict_layers):
         p = _layer_params(cfg, L + j)
-        base = sum(p[k] for k in _MATMUL) + sum(p[k] for k in _VECTOR)
-        own = 2 * d * d + 3 * d + head_hc                            # e_proj, h_proj, enorm, hnorm, norm, hc_head
-        mtp_tot += base + p["routed_experts_total"] + own
-        mtp_act += base + p["routed_experts_active"] + own
+        mtp_inactive += p["routed_experts_total"] - p["routed_experts_active"]
         mtp_mm += sum(p[k] for k in _MATMUL) + p["routed_experts_active"] + 2 * d * d + n * n * d + V * d  # + shared head
-    out["mtp_total_params"], out["mtp_active_params"] = mtp_tot, mtp_act
+    out["mtp_total_params"], out["mtp_active_params"] = pc["mtp"], pc["mtp"] - mtp_inactive
     out["mtp_active_matmul_params"] = mtp_mm
     return out
 

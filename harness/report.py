@@ -10,10 +10,6 @@ from . import goldens as G
 from .thresholds import CANNOT_JUDGE, CHECK_THRESHOLDS, DEFAULT_METRICS, compare_metric
 
 
-class CompareError(ValueError):
-    pass
-
-
 def load_curves(path: Path) -> tuple[dict, dict]:
     """(metrics in Megatron golden format, provenance) from a run dir, a Megatron JSON, or a dsv4 golden.
 

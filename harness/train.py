@@ -323,7 +323,6 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
     corpus = IndexedTokens(os.path.join(out, "data", "corpus"))
     if recipe.packing:
         packed_src = PackedSource(corpus, recipe.batch_size * recipe.seq_len, seed)
-        from dsv4.model.thd import packed_model_forward
     else:
         samples = GPTSamples(corpus, recipe.seq_len, seed)
 
@@ -415,7 +414,7 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
                 real_tokens = int(lens.sum())
                 # per document: Megatron's sum L_i^2
                 step_flops = sum(int(n) * _flops_cached(cfg, int(n)) for n in lens)
-                fwd = lambda: packed_model_forward(model, x, y, cu, cup)          # noqa: E731
+                fwd = lambda: model(x, y, cu_seqlens=cu, cu_seqlens_padded=cup)   # noqa: E731
             else:
                 x, y = samples.batch((step - 1) * recipe.batch_size, recipe.batch_size)
                 x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)

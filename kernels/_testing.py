@@ -31,3 +31,13 @@ def assert_rel(name: str, got: torch.Tensor, ref: torch.Tensor, rel: float) -> N
 def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> None:
     """Elementwise allclose with a per-tensor name in the message (fp32 interpreter checks)."""
     torch.testing.assert_close(got, ref, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+def packed_meta(lens, pads=None, device="cpu"):
+    """(seg [T], pos [T]) of documents of lengths `lens` packed back to back, each followed by pads[i]
+    padding tokens (seg -1): the document metadata the kernels take (model/layout.py builds it in the model)."""
+    seg, pos = [], []
+    for i, L in enumerate(lens):
+        seg += [i] * L + [-1] * (pads[i] if pads else 0)
+        pos += list(range(L)) + [0] * (pads[i] if pads else 0)
+    return torch.tensor(seg, device=device), torch.tensor(pos, device=device)

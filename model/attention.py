@@ -1,27 +1,33 @@
-"""DSv4 hybrid attention: sliding window / CSA / HCA (spec §5, §6, §7, §8), unfused SBHD reference (slice D1).
+"""DSv4 hybrid attention: sliding window / CSA / HCA (spec §5, §6, §7, §8), one module for every layout (D1, D6).
 
-One layer (kind from `cfg.compress_ratios[layer_idx]`: 0 window, m CSA, m' HCA), input h [B,S,d] (already normed):
+One layer (kind from `cfg.compress_ratios[layer_idx]`: 0 window, m CSA, m' HCA) on a token stream described by a
+`Layout` (model/layout.py: documents, seg / pos per token; a plain [B, S] batch is B documents of S tokens).
+h [B,S,d] (already normed) is flattened to the stream x [T,d]; the layout gives the rows the layer sees
+(`context`: local tokens, plus a left halo under context parallelism) and completes the compressed entries
+(`gather_entries`). Token-major (THD) throughout:
 
-    cQ = q_norm(h @ wq_a^T)                          [S,B,d_c]   weighted RMSNorm
-    q  = RMSNorm_unweighted_per_head(cQ @ wq_b^T)    [S,B,H,c];  RoPE on the last r dims (query position)
-    kv = kv_norm(h @ wkv^T)                          [S,B,c];    RoPE on the last r dims; K = V = kv
-    comp = compressor(h)                             [T,B,c]     CSA / HCA only (§6)
-    sel  = indexer(h, cQ) top-k                      [S,B,k]     CSA only (§7); HCA attends all complete entries
-    o  = sparse_attn(q, kv, comp, sel, attn_sink)    [S,B,H,c]   one softmax over window + compressed + sink (§5.3)
+    cQ = q_norm(x @ wq_a^T)                          [T,d_c]     weighted RMSNorm
+    q  = RMSNorm_unweighted_per_head(cQ @ wq_b^T)    [T,H,c];    RoPE on the last r dims (query position)
+    kv = kv_norm(x @ wkv^T)                          [T',c];     RoPE on the last r dims; K = V = kv
+    comp = compressor(x)                             [N,c]       CSA / HCA only (§6), per document, static slots
+    sel  = indexer(x, cQ) top-k                      [T,k]       CSA only (§7); HCA attends all visible entries
+    o  = sparse_attn(q, kv, comp, sel, attn_sink)    [T,H,c]     one softmax over window + compressed + sink (§5.3)
     o[..., c-r:] = RoPE(o[..., c-r:], -t)                        inverse rotation by the query position (§5.4)
     out = wo_b(blockdiag_g(wo_a)(o))                 [B,S,d]     grouped low-rank output (§5.5)
+Window, compressor, indexer, indexer loss and sparse attention take the document metadata, so every one of
+them is document-local by construction; the kernels (kernels/<op>) take the same arguments on every backend.
 
 RoPE table: "main" (plain theta) for window layers, "compress" (YaRN) for CSA / HCA layers (§5.6).
-The masks of the kernels use the index 0..S-1 of a token in the sequence; `positions` only feeds RoPE.
 
 Indexer loss (§10.3, `cfg.indexer_loss_mode`), computed in training mode on a CSA layer:
     "sparse": candidates = the selected entries; the attention uses the top-k (as in inference);
-    "dense":  candidates = all complete entries, and the attention attends ALL of them, in training and in eval
+    "dense":  candidates = all visible entries, and the attention attends ALL of them, in training and in eval
               (CSA without top-k = Megatron's `csa_dense_mode` warm-up phase), so the teacher is still the
-              attention actually run; the top-k is still computed (`last_topk`) but not used;
+              attention actually run; the top-k is still computed (recorded as the selection) but not used;
     "off":    no loss.
-`self.indexer_loss` = coeff * KL(teacher || softmax(I)) (see `indexer.indexer_teacher` / `indexer_kl_loss`),
-else None. The indexer sees detached inputs: its loss trains only the indexer and the LM loss never reaches it.
+The loss, coeff * KL(teacher || softmax(I)) (`indexer.indexer_teacher` / `indexer_kl_loss`), and the selection
+go to the forward's `AuxLosses` (model/losses.py), not to the module. The indexer sees detached inputs: its
+loss trains only the indexer and the LM loss never reaches it.
 """
 from __future__ import annotations
 
@@ -32,9 +38,46 @@ from dsv4.kernels.sparse_attn import sparse_attn
 
 from .compressor import Compressor
 from .config import ConfigError, DSv4Config
+from dsv4.kernels.indexer.naive import causal_entry_mask
+
 from .indexer import Indexer, candidates_from_idx, indexer_kl_loss, indexer_teacher
+from .layout import Layout
+from .losses import AuxLosses
 from .norm import RMSNorm, rms_norm
 from .rope import RotaryTable, rope_table_name
+
+
+def attention_halo(cfg: DSv4Config, layer_idx: int) -> int:
+    """Left context of a layer's local tokens: max(n_win - 1, coff m - 1 of its compressors)."""
+    need = cfg.sliding_window - 1
+    kind = cfg.layer_kind(layer_idx)
+    if kind == "hca":
+        need = max(need, cfg.hca_ratio - 1)
+    if kind == "csa":
+        need = max(need, 2 * cfg.csa_ratio - 1)            # main and indexer compressors, overlapping windows
+    return need
+
+
+def _cat_selections(sels):
+    """Per-row selections (idx into that row's entries) -> one selection over the rows' concatenated entries."""
+    if sels[0] is None:
+        return None
+    idx, es, ej, off = [], [], [], 0
+    for i, s, j in sels:
+        idx.append(torch.where(i >= 0, i + off, i))
+        es.append(s)
+        ej.append(j)
+        off += s.shape[0]
+    return torch.cat(idx), torch.cat(es), torch.cat(ej)
+
+
+def _combine_losses(losses):
+    """Per-row (mean, count) -> the mean over all rows' queries with a candidate, and the total count."""
+    if losses[0] is None:
+        return None
+    n = torch.stack([c for _, c in losses]).sum()
+    total = torch.stack([l * c for l, c in losses]).sum()
+    return total / n.clamp_min(1), n
 
 
 class DSv4Attention(nn.Module):
@@ -67,8 +110,7 @@ class DSv4Attention(nn.Module):
                                          eps=cfg.rms_norm_eps)
         if self.kind == "csa":
             self.indexer = Indexer(cfg, self.rope)
-        self.indexer_loss: torch.Tensor | None = None
-        self.last_topk: torch.Tensor | None = None
+        self.halo = attention_halo(cfg, layer_idx)       # left context a context-parallel rank needs
         self.reset_parameters()
 
     @torch.no_grad()
@@ -83,63 +125,84 @@ class DSv4Attention(nn.Module):
                 nn.init.zeros_(mod.ape)
         nn.init.zeros_(self.attn_sink)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor | None = None,
-                backend: str | None = None, cu_seqlens: torch.Tensor | None = None,
-                cu_seqlens_padded: torch.Tensor | None = None) -> torch.Tensor:
-        """h [B,S,d], positions [S] long (default 0..S-1) -> [B,S,d].
+    def forward(self, h: torch.Tensor, layout: Layout | None = None, aux: AuxLosses | None = None,
+                positions: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+        """h [B,S,d] -> [B,S,d] on `layout` (default: B documents of S tokens, RoPE at `positions` [S]).
 
-        Packed THD input (slice D6): h [1, T, d] with `cu_seqlens` (+ `cu_seqlens_padded`) runs the
-        document-local path of model/thd.py (positions then restart per document and are not used)."""
-        if cu_seqlens is not None:
-            from .thd import thd_attention_forward
-            return thd_attention_forward(self, h, cu_seqlens, cu_seqlens_padded)
+        The projections run on all B*S tokens at once; the token mixing (compressor, indexer, its loss, sparse
+        attention) runs per row of the batch (a document never crosses a row, model/layout.py), so a plain
+        [B, S] batch costs B streams of S tokens, not one stream of B*S (scores [S, S/m] per row, not
+        [B*S, B*S/m])."""
         backend = backend or self.backend
-        B, S, _ = h.shape
+        B, S, d = h.shape
+        if isinstance(layout, torch.Tensor):
+            raise TypeError("DSv4Attention: the second argument is a Layout; pass RoPE positions as positions=...")
+        if layout is None:
+            layout = Layout.batch(B, S, h.device, positions)
+        elif positions is not None:
+            raise ValueError("DSv4Attention: positions come from the layout (rope_pos) when a layout is given")
+        if layout.shape != (B, S):
+            raise ValueError(f"DSv4Attention: h [B, S] = {(B, S)} but the layout describes {layout.shape}")
         H, c, g = self.n_heads, self.head_dim, self.o_groups
-        if positions is None:
-            positions = torch.arange(S, device=h.device)
-        if tuple(positions.shape) != (S,):
-            raise ValueError(f"DSv4Attention: positions shape {tuple(positions.shape)} != (S,) = {(S,)}")
-        x = h.transpose(0, 1)                                                   # [B,S,d] -> [S,B,d] (SBHD)
+        x, seg, pos, rope_pos, q0 = layout.context(h.reshape(B * S, d), self.halo)     # [T', d], q0 halo rows
+        xl, rq = x[q0:], rope_pos[q0:]
+        T = xl.shape[0]
+        cq = self.q_norm(self.wq_a(xl))                                         # [T, d_c]
+        q = self.wq_b(cq).view(T, H, c)                                         # [T, H, c]
+        q = self.rope(rms_norm(q, None, self.eps), rq)                          # per-head, unweighted
+        kv = self.rope(self.kv_norm(self.wkv(x)), rope_pos)                     # [T', c] halo + local keys
 
-        cq = self.q_norm(self.wq_a(x))                                          # [S, B, d_c]
-        q = self.wq_b(cq).view(S, B, H, c)                                      # [S, B, H, c]
-        q = rms_norm(q, None, self.eps)                                         # per-head, unweighted
-        q = self.rope(q, positions)
-        kv = self.rope(self.kv_norm(self.wkv(x)), positions)                    # [S, B, c]
+        if B == 1:
+            o, sel, loss = self._mix(x, cq, q, kv, (seg, pos, rope_pos, q0), layout, backend)
+        else:                                                                   # one stream per row (no halo)
+            if q0:
+                raise ValueError("DSv4Attention: a layout with a halo (context parallel) must describe one row [1, C]")
+            rows = [self._mix(x[r * S:(r + 1) * S], cq[r * S:(r + 1) * S], q[r * S:(r + 1) * S],
+                              kv[r * S:(r + 1) * S], tuple(t[r * S:(r + 1) * S] for t in (seg, pos, rope_pos)) + (0,),
+                              layout, backend) for r in range(B)]
+            o = torch.cat([r[0] for r in rows])
+            sel = _cat_selections([r[1] for r in rows])
+            loss = _combine_losses([r[2] for r in rows])
+        if aux is not None and sel is not None:
+            aux.add_selection(self.layer_idx, *sel)
+        if aux is not None and loss is not None:
+            aux.add_indexer(*loss)
 
-        comp, sel, scores = None, None, None
-        self.indexer_loss, self.last_topk = None, None
-        if self.compressor is not None:
-            comp = self.compressor(x, positions, backend=backend)               # [T, B, c]
-        mode = self.cfg.indexer_loss_mode
-        if self.indexer is not None:
-            scores, sel = self.indexer(x.detach(), cq.detach(), positions, backend=backend)   # [S,B,T], [S,B,k]
-            self.last_topk = sel.transpose(0, 1)                                # [S,B,k] -> [B,S,k]
-        use_sel = sel if (self.indexer is not None and mode != "dense") else None   # dense: all entries
-
-        o = sparse_attn(q, kv, comp, use_sel, self.attn_sink, self.window, self.ratio or 1, self.scale,
-                        backend=backend)                                        # [S, B, H, c]
-
-        if self.indexer is not None and self.training and mode != "off" and self.cfg.indexer_loss_coeff != 0:
-            T = comp.shape[0]
-            if use_sel is None:     # dense: all complete entries
-                t = torch.arange(S, device=h.device)
-                causal = torch.arange(T, device=h.device)[None, :] < torch.div(t + 1, self.ratio,
-                                                                                rounding_mode="floor")[:, None]
-                cand = causal[:, None, :].expand(S, B, T)                       # [S, B, T]
-            else:
-                cand = candidates_from_idx(sel, T)                              # [S, B, T]
-            target = indexer_teacher(q, kv, comp, cand, self.attn_sink, self.window, self.scale,
-                                     self.cfg.indexer_teacher, idx=use_sel)
-            self.indexer_loss = self.cfg.indexer_loss_coeff * indexer_kl_loss(scores, target, cand)
-
-        o = self.rope(o, positions, inverse=True)                              # rotate back by query position
-        o = o.reshape(S, B, g, H * c // g)                                      # group i = heads i*H/g..
+        o = self.rope(o, rq, inverse=True)                                      # rotate back by query position
+        o = o.reshape(T, g, H * c // g)                                         # group i = heads i*H/g..
         wo_a = self.wo_a.weight.view(g, -1, H * c // g)                         # [g, d_g, H*c/g]
-        z = torch.einsum("sbgi,gri->sbgr", o, wo_a)                             # [S, B, g, d_g]
-        out = self.wo_b(z.flatten(2))                                           # [S, B, d]
-        return out.transpose(0, 1)                                              # [S,B,d] -> [B,S,d]
+        z = torch.einsum("tgi,gri->tgr", o, wo_a)                               # [T, g, d_g]
+        return self.wo_b(z.flatten(1)).view(B, S, -1)                           # [T, d] -> [B, S, d]
+
+    def _mix(self, x, cq, q, kv, ctx, layout, backend):
+        """Token mixing of one stream: x [T',d] / kv [T',c] (halo + local rows), cq [T,d_c] / q [T,H,c] (local),
+        ctx = (seg, pos, rope_pos [T'], q_offset) -> (o [T,H,c], selection (idx, entry_seg, entry_j) | None,
+        indexer loss (mean, query count) | None)."""
+        seg, pos, rope_pos, q0 = ctx
+        cfg = self.cfg
+        comp = eseg = ej = sel = None
+        if self.compressor is not None:
+            comp, eseg, ej = layout.gather_entries(*self.compressor(x, seg, pos, rope_pos, q0, backend=backend))
+        mode = cfg.indexer_loss_mode
+        selection = None
+        if self.indexer is not None:
+            scores, sel, iseg, ij = self.indexer(x.detach(), cq.detach(), ctx, layout, backend=backend)   # [T, N]
+            selection = (sel, iseg, ij)
+        use_sel = sel if (self.indexer is not None and mode != "dense") else None   # dense: all entries
+        o = sparse_attn(q, kv, comp, use_sel, self.attn_sink, self.window, self.ratio or 1, self.scale,
+                        seg, pos, eseg, ej, q0, backend=backend)                # [T, H, c]
+        loss = None
+        if self.indexer is not None and self.training and mode != "off" and cfg.indexer_loss_coeff != 0:
+            N = comp.shape[0]
+            if use_sel is None:     # dense: all visible entries
+                cand = causal_entry_mask(seg[q0:], pos[q0:], eseg, ej, self.ratio)    # [T, N]
+            else:
+                cand = candidates_from_idx(use_sel, N)                          # [T, N]
+            target = indexer_teacher(q, kv, comp, cand, self.attn_sink, self.window, self.scale,
+                                     cfg.indexer_teacher, seg, pos, q0, idx=use_sel)
+            kl = cfg.indexer_loss_coeff * indexer_kl_loss(scores, target, cand)
+            loss = (kl, cand.any(-1).sum().to(kl.dtype))                        # the mean and its query count
+        return o, selection, loss
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, kind={self.kind}, ratio={self.ratio}, backend={self.backend}"

@@ -35,7 +35,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = mhc_parameters(cfg)
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = mhc_parameters(cfg)
-        self.recompute_mhc = bool(getattr(cfg, "mhc_recompute", False))
+        self.recompute_mhc = False       # set per block (ext_4531); no config field
         self.backend = "naive"
 
     def _pre(self, X, fn, base, scale):
@@ -52,12 +52,13 @@ class Block(nn.Module):
         u, post, comb = self._pre(X, fn, base, scale)
         return hc_post(X, f(norm(u)), post, comb, self.backend)
 
-    def forward(self, X: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor | None = None):
-        """X [B, S, n, d], input_ids [B, S] (hash routing), positions [S] -> X' [B, S, n, d]."""
+    def forward(self, X: torch.Tensor, input_ids: torch.Tensor, layout=None, aux=None):
+        """X [B, S, n, d], input_ids [B, S] (hash routing), layout (model/layout.py; default: B documents of S
+        tokens), aux (model/losses.AuxLosses, collects this forward's auxiliary losses) -> X' [B, S, n, d]."""
         X = self._sublayer(X, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.attn_norm,
-                           lambda h: self.attn(h, positions))
+                           lambda h: self.attn(h, layout, aux))
         if isinstance(self.ffn, MoE):
-            ffn = lambda h: self.ffn(h, input_ids)   # noqa: E731
+            ffn = lambda h: self.ffn(h, input_ids, aux)   # noqa: E731
         else:
             ffn = self.ffn
         return self._sublayer(X, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm, ffn)

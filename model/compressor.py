@@ -5,9 +5,10 @@ Parameters (official names, spec §6.1 / §11.3): `wkv` [coff*D, d], `wgate` [co
 indexer's compressor (width 2m, stride m: the FIRST half of the channels of window w-1 and the SECOND half of
 window w feed entry w -- the code layout, not the paper's letters, spec §13.2).
 
-Entry w covers tokens [w*m, (w+1)*m) and is rotated at the position of its FIRST token, positions[w*m]
-(= w*m for positions 0..S-1). Trailing tokens that do not fill a window give no entry; S < m gives zero entries.
-The pooling itself is the kernel op `dsv4.kernels.compressor.compress_pool` (SBHD, softmax in fp32).
+On a packed token stream (model/layout.py: seg / pos per token): entry (doc, j) covers its document's tokens
+[j*m, (j+1)*m) and is rotated at the RoPE position of its FIRST token (= j*m by default). Trailing tokens that
+do not fill a window give no entry. The pooling itself is the kernel op `dsv4.kernels.compressor.compress_pool`
+(THD, static entry slots, softmax in fp32).
 """
 from __future__ import annotations
 
@@ -35,16 +36,16 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, eps)
         self.rope = rope     # shared table ("compress"); holds no parameters
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, backend: str = "naive") -> torch.Tensor:
-        """x [S,B,d] (SBHD), positions [S] long -> compressed entries [T,B,D], T = S // m."""
-        pooled = compress_pool(self.wkv(x), self.wgate(x), self.ape, self.ratio, self.overlap,
-                               backend=backend)                                   # [T, B, D]
+    def forward(self, x: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor, rope_pos: torch.Tensor,
+                first: int = 0, backend: str = "naive"):
+        """x [T,d] (THD), seg / pos / rope_pos [T] -> (entries [N,D], entry_seg [N], entry_j [N]) for the windows
+        closing at tokens >= `first`, in N = ceil((T - first) / m) static slots (empty: seg -1, value 0)."""
+        pooled, eseg, ej, ends = compress_pool(self.wkv(x), self.wgate(x), self.ape, self.ratio, self.overlap,
+                                               seg, pos, first, backend=backend)      # [N, D]
         comp = self.norm(pooled)
-        T = comp.shape[0]
-        if T == 0:
-            return comp
-        first = positions[torch.arange(T, device=positions.device) * self.ratio]  # [T] first token of each entry
-        return self.rope(comp, first)
+        if comp.shape[0] == 0:
+            return comp, eseg, ej
+        return self.rope(comp, rope_pos[(ends - (self.ratio - 1)).clamp(min=0)]), eseg, ej   # at its first token
 
     def extra_repr(self) -> str:
         return f"ratio={self.ratio}, overlap={self.overlap}, head_dim={self.head_dim}"

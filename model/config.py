@@ -215,14 +215,20 @@ def get_config(name: str, **overrides) -> DSv4Config:
     return cfg.replace(**overrides) if overrides else cfg
 
 
-def yarn_low_high(cfg: DSv4Config) -> tuple[float, float] | None:
-    """YaRN ramp bounds (spec §5.6); (15, 25) for Flash/Pro. None without YaRN."""
+def yarn_correction_range(rope_dim: int, base: float, original_max_pos: float, beta_fast: float,
+                          beta_slow: float) -> tuple[int, int]:
+    """(low, high) pair indices of the YaRN ramp: floor / ceil of the correction dims, clamped to [0, r-1]
+    (spec §5.6; the one copy, used by model/rope.py's tables)."""
+    def corr(nrot: float) -> float:
+        return rope_dim * math.log(original_max_pos / (nrot * 2 * math.pi)) / (2 * math.log(base))
+
+    return max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), rope_dim - 1)
+
+
+def yarn_low_high(cfg: DSv4Config) -> tuple[int, int] | None:
+    """YaRN ramp bounds of a config's compress table (spec §5.6); (15, 25) for Flash/Pro. None without YaRN."""
     rs = cfg.rope_scaling
     if not rs:
         return None
-    r, base, L0 = cfg.qk_rope_head_dim, cfg.compress_rope_theta, rs["original_max_position_embeddings"]
-
-    def corr(nrot):
-        return r * math.log(L0 / (nrot * 2 * math.pi)) / (2 * math.log(base))
-
-    return max(math.floor(corr(rs["beta_fast"])), 0), min(math.ceil(corr(rs["beta_slow"])), r - 1)
+    return yarn_correction_range(cfg.qk_rope_head_dim, cfg.compress_rope_theta, rs["original_max_position_embeddings"],
+                                 rs["beta_fast"], rs["beta_slow"])

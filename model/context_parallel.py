@@ -3,7 +3,7 @@
 Layout (Megatron `cp_partition_mode='contiguous'`, megatron_dsv4.md §2.6): a packed stream of T tokens
 (T % cp == 0; pad with `cu_seqlens_padded` first) is cut into cp rank-major chunks of C = T / cp tokens:
 rank r holds tokens [r C, (r+1) C). Document metadata (cu_seqlens, cu_seqlens_padded) is replicated on every
-rank, so each rank derives seg / pos of any token locally (model/thd.py) -- RoPE positions restart per
+rank, so each rank derives seg / pos of any token locally (model/layout.py) -- RoPE positions restart per
 document, not per rank.
 
 What crosses a rank boundary (and nothing else):
@@ -17,7 +17,15 @@ What crosses a rank boundary (and nothing else):
     so HCA sees every causal entry and the indexer scores every causal candidate of the document.
 Both exchanges are autograd-aware (`all_gather` whose backward all-reduces the gradient and keeps this rank's
 slice), so the gradient of sum_r loss_r reaches the producing rank: parameter gradients summed over ranks and
-input gradients equal the single-rank run.
+input gradients equal the single-rank run. Every rank has the same static number of entry slots,
+ceil(C / m) per compressor (kernels/compressor), so the gather needs no count exchange.
+
+CP is a LAYOUT TRANSFORMATION (`CPLayout`, a model/layout.Layout): the same DSv4Model / DSv4Attention forward
+runs on a rank's chunk with `layout=CPLayout(...)`; the layout supplies the halo rows (`context`), the other
+ranks' entries (`gather_entries`), the MTP roll across the rank boundary (`roll_next`, model/mtp_roll.py) and
+the global target / query counts of the loss (`global_count`: each rank's loss is its share of the global
+loss, model/losses.assemble_losses). Nothing is patched. The MoE sequence-wise balance loss under CP uses the
+rank's chunk as its sequence.
 
 Process groups: any torch.distributed group (gloo on CPU, NCCL on GPU); `cp_group()` returns Megatron-Core's
 `parallel_state.get_context_parallel_group()` when Megatron's model parallel state is initialised, else WORLD.
@@ -27,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .thd import THDError, attention_on_layout, seg_pos_from_cu_seqlens
+from .layout import Layout, LayoutError, from_packed_seq_params, seg_pos_from_cu_seqlens
 
 
 # ---------------------------------------------------------------------------------------------- groups
@@ -50,33 +58,20 @@ def cp_group():
 def cu_seqlens_from_packed_seq_params(psp):
     """(cu_seqlens, cu_seqlens_padded) of a Megatron `PackedSeqParams` for CP; DSv4 CP needs
     cp_partition_mode 'contiguous' (rank-major chunks), not TE's 'zigzag'."""
-    from .thd import from_packed_seq_params
     mode = getattr(psp, "cp_partition_mode", "contiguous")
     if mode != "contiguous":
-        raise THDError(f"packed_seq_params.cp_partition_mode: DSv4 CP needs 'contiguous', got {mode!r}")
+        raise LayoutError(f"packed_seq_params.cp_partition_mode: DSv4 CP needs 'contiguous', got {mode!r}")
     return from_packed_seq_params(psp)
 
 
 def contiguous_chunk(T: int, cp: int, rank: int) -> tuple[int, int]:
     """[start, end) of rank's chunk in a stream of T tokens split into cp contiguous rank-major chunks."""
     if cp < 1 or not 0 <= rank < cp:
-        raise THDError(f"cp_rank: rank {rank} outside 0..{cp - 1}")
+        raise LayoutError(f"cp_rank: rank {rank} outside 0..{cp - 1}")
     if T % cp:
-        raise THDError(f"total: {T} tokens is not a multiple of cp={cp} (pad with cu_seqlens_padded)")
+        raise LayoutError(f"total: {T} tokens is not a multiple of cp={cp} (pad with cu_seqlens_padded)")
     C = T // cp
     return rank * C, (rank + 1) * C
-
-
-def rank_layout(cu_seqlens, total: int, cp: int, rank: int, halo: int = 0, cu_seqlens_padded=None):
-    """(seg [halo + C], pos [halo + C]) of the halo rows then the local chunk; halo rows before the stream get
-    seg -1 (nothing to attend)."""
-    seg, pos = seg_pos_from_cu_seqlens(cu_seqlens, total, cu_seqlens_padded)
-    start, end = contiguous_chunk(total, cp, rank)
-    gidx = torch.arange(start - halo, end)
-    ok = gidx >= 0
-    seg_e = torch.where(ok, seg[gidx.clamp(min=0)], torch.full_like(gidx, -1))
-    pos_e = torch.where(ok, pos[gidx.clamp(min=0)], torch.zeros_like(gidx))
-    return seg_e, pos_e
 
 
 def rank_cu_seqlens(cu_seqlens, total: int, cp: int, rank: int, cu_seqlens_padded=None):
@@ -98,17 +93,6 @@ def rank_cu_seqlens(cu_seqlens, total: int, cp: int, rank: int, cu_seqlens_padde
         first_pos = torch.cat([torch.zeros(1, dtype=torch.long), first_pos])
     cup = torch.cat([starts, torch.tensor([seg.numel()])])
     return cu, cup, doc_ids, first_pos
-
-
-def attention_halo(cfg, layer_idx: int) -> int:
-    """Left context a rank needs for layer `layer_idx`: max(n_win - 1, coff m - 1 of its compressors)."""
-    need = cfg.sliding_window - 1
-    kind = cfg.layer_kind(layer_idx)
-    if kind == "hca":
-        need = max(need, cfg.hca_ratio - 1)
-    if kind == "csa":
-        need = max(need, 2 * cfg.csa_ratio - 1)            # main and indexer compressors, overlapping windows
-    return need
 
 
 # ---------------------------------------------------------------------------------------------- collectives
@@ -166,149 +150,140 @@ def left_halo(x_local: torch.Tensor, halo: int, group=None) -> torch.Tensor:
     return torch.where(ok.view(-1, *([1] * (x_local.dim() - 1))), out, torch.zeros_like(out))
 
 
-def gather_entries(comp: torch.Tensor, entry_seg: torch.Tensor, entry_j: torch.Tensor, group=None):
-    """All ranks' compressed entries, rank-major (= stream order), each rank padded to the largest count.
+def gather_entries(comp: torch.Tensor, entry_seg: torch.Tensor, entry_j: torch.Tensor, group=None,
+                   static: bool = False):
+    """All ranks' compressed entries, rank-major (= stream order), differentiable in comp.
 
-    comp [n_r, D], entry_seg/entry_j [n_r] -> [ws * n_max, D], [ws * n_max] (padding: seg -1, j 0, value 0).
+    comp [n_r, D], entry_seg/entry_j [n_r] -> [ws * n, D], [ws * n]. static=True: every rank has the same n
+    (the static entry slots of kernels/compressor; no count exchange, no host sync). Otherwise each rank is
+    padded to the largest count (padding rows: seg -1, j 0, value 0).
     """
     group = group or dist.group.WORLD
-    n = torch.tensor([comp.shape[0]], dtype=torch.long, device=comp.device)
-    n_max = int(all_gather_cat(n, group).max())
-    if n_max == 0:                                                             # no entry anywhere yet
-        return comp, entry_seg, entry_j
-    pad = n_max - comp.shape[0]
-    comp_p = torch.cat([comp, comp.new_zeros(pad, *comp.shape[1:])])
-    seg_p = torch.cat([entry_seg, entry_seg.new_full((pad,), -1)])
-    j_p = torch.cat([entry_j, entry_j.new_zeros(pad)])
-    return all_gather_cat(comp_p, group), all_gather_cat(seg_p, group), all_gather_cat(j_p, group)
+    if not static:
+        n = torch.tensor([comp.shape[0]], dtype=torch.long, device=comp.device)
+        n_max = int(all_gather_cat(n, group).max())
+        if n_max == 0:                                                         # no entry anywhere yet
+            return comp, entry_seg, entry_j
+        pad = n_max - comp.shape[0]
+        comp = torch.cat([comp, comp.new_zeros(pad, *comp.shape[1:])])
+        entry_seg = torch.cat([entry_seg, entry_seg.new_full((pad,), -1)])
+        entry_j = torch.cat([entry_j, entry_j.new_zeros(pad)])
+    return all_gather_cat(comp, group), all_gather_cat(entry_seg, group), all_gather_cat(entry_j, group)
 
 
-# ---------------------------------------------------------------------------------------------- attention (D8)
+# ---------------------------------------------------------------------------------------------- the layout
+
+
+class CPLayout(Layout):
+    """This rank's contiguous chunk [1, C] of a packed stream of `total` tokens, as a layout (see module doc)."""
+
+    def __init__(self, cu_seqlens, total: int, cu_seqlens_padded=None, group=None, device=None):
+        self.group = group or cp_group()
+        self.cp, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.total = int(total)
+        self.start, self.end = contiguous_chunk(self.total, self.cp, self.rank)
+        gseg, gpos = seg_pos_from_cu_seqlens(cu_seqlens, self.total, cu_seqlens_padded)
+        self._gseg, self._gpos = gseg.to(device), gpos.to(device)
+        cu = torch.as_tensor(cu_seqlens).cpu()
+        cup = None if cu_seqlens_padded is None else torch.as_tensor(cu_seqlens_padded).cpu()
+        super().__init__(self._gseg[self.start:self.end], self._gpos[self.start:self.end],
+                         (1, self.end - self.start), cu, cup)
+
+    @classmethod
+    def from_packed_seq_params(cls, psp, total: int, group=None, device=None) -> "CPLayout":
+        cu, cup = cu_seqlens_from_packed_seq_params(psp)
+        return cls(cu, total, cup, group, device)
+
+    def context(self, x, halo):
+        rows = torch.arange(self.start - halo, self.end, device=self._gseg.device)
+        ok = rows >= 0
+        seg = torch.where(ok, self._gseg[rows.clamp(min=0)], torch.full_like(rows, -1))
+        pos = torch.where(ok, self._gpos[rows.clamp(min=0)], torch.zeros_like(rows))
+        return torch.cat([left_halo(x, halo, self.group), x], dim=0), seg, pos, pos, halo
+
+    def gather_entries(self, comp, entry_seg, entry_j):
+        return gather_entries(comp, entry_seg, entry_j, self.group, static=True)
+
+    def roll_next(self, x, fill):
+        from .mtp_roll import roll_packed_cp
+        return roll_packed_cp(x[0], self.seg, self.group, fill)[0][None]
+
+    def global_count(self, n):
+        t = n.detach().to(torch.float64).clone().reshape(1)
+        dist.all_reduce(t, group=self.group)
+        return t[0].to(n.dtype)
 
 
 def cp_attention_forward(attn, h_local: torch.Tensor, cu_seqlens, total: int, cu_seqlens_padded=None,
                          group=None) -> torch.Tensor:
-    """DSv4 attention on this rank's contiguous chunk: h_local [1, C, d] -> [1, C, d].
+    """DSv4 attention on this rank's contiguous chunk: h_local [1, C, d] -> [1, C, d] (= rows [r C, (r+1) C)
+    of the single-rank packed run, forward and backward): `attn(h_local, CPLayout(...))`."""
+    layout = CPLayout(cu_seqlens, total, cu_seqlens_padded, group, h_local.device)
+    if h_local.dim() != 3 or tuple(h_local.shape[:2]) != layout.shape:
+        raise LayoutError(f"h_local: must be [1, C, d] = [1, {layout.shape[1]}, d], got {tuple(h_local.shape)}")
+    return attn(h_local, layout)
 
-    Equals rows [r C, (r+1) C) of the single-rank packed run (`thd.thd_attention_forward`), forward and backward.
-    """
-    group = group or cp_group()
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    if h_local.dim() != 3 or h_local.shape[0] != 1:
-        raise THDError(f"h_local: must be [1, C, d], got {tuple(h_local.shape)}")
-    C = h_local.shape[1]
-    if C * cp != total:
-        raise THDError(f"h_local: chunk of {C} tokens x cp={cp} != total {total}")
-    halo = attention_halo(attn.cfg, attn.layer_idx)
-    seg, pos = rank_layout(cu_seqlens, total, cp, rank, halo, cu_seqlens_padded)
-    seg, pos = seg.to(h_local.device), pos.to(h_local.device)
-    x = torch.cat([left_halo(h_local[0], halo, group), h_local[0]], dim=0)    # [halo + C, d]
-    out = attention_on_layout(attn, x, seg, pos, halo,
-                              gather_entries=lambda c, s, j: gather_entries(c, s, j, group))
-    return out[None]                                                           # [C, d] -> [1, C, d]
+
+class _SimRankLayout(Layout):
+    """One rank of `simulate_cp_attention`: the CP halo / entry exchange emulated in one process."""
+
+    def __init__(self, gseg, gpos, start, end, h, store, rank, cp):
+        super().__init__(gseg[start:end], gpos[start:end], (1, end - start))
+        self._gseg, self._gpos, self.start, self.end, self._h = gseg, gpos, start, end, h
+        self.store, self.rank, self.cp = store, rank, cp
+
+    def context(self, x, halo):
+        rows = torch.arange(self.start - halo, self.end, device=x.device)
+        ok = rows >= 0
+        rc = rows.clamp(min=0)
+        xs = torch.where(ok[:, None], self._h[0, rc], torch.zeros((), dtype=x.dtype, device=x.device))
+        xs = torch.cat([xs[:halo], x], dim=0)                                   # halo from the stream, then x
+        seg = torch.where(ok, self._gseg[rc], torch.full_like(rows, -1))
+        pos = torch.where(ok, self._gpos[rc], torch.zeros_like(rows))
+        return xs, seg, pos, pos, halo
+
+    def gather_entries(self, comp, entry_seg, entry_j):
+        calls = self.store.setdefault("calls", {})
+        k = calls.get(self.rank, 0)
+        calls[self.rank] = k + 1
+        if self.store["phase"] == 1:                                           # record this rank's entries
+            self.store.setdefault((self.rank, k), (comp, entry_seg, entry_j))
+            return comp, entry_seg, entry_j
+        parts = [self.store[(q, k)] if q != self.rank else (comp, entry_seg, entry_j) for q in range(self.cp)]
+        return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
 
 
 def simulate_cp_attention(attn, h: torch.Tensor, cu_seqlens, cp: int, cu_seqlens_padded=None) -> torch.Tensor:
-    """Single-process emulation of `cp_attention_forward` on cp ranks (same layout, halo and entry-gather
-    math, no torch.distributed): h [1, T, d] -> [1, T, d], the cp chunk outputs concatenated. For goldens and
-    quick checks; differentiable."""
+    """Single-process emulation of CP attention on cp ranks (the same layout, halo and entry-gather math, no
+    torch.distributed): h [1, T, d] -> [1, T, d], the cp chunk outputs concatenated. For goldens and quick
+    checks; differentiable."""
     T = h.shape[1]
-    halo = attention_halo(attn.cfg, attn.layer_idx)
-    ranks = []
-    for r in range(cp):
-        s, e = contiguous_chunk(T, cp, r)
-        seg, pos = rank_layout(cu_seqlens, T, cp, r, halo, cu_seqlens_padded)
-        rows = torch.arange(s - halo, e, device=h.device)                      # halo rows, then the chunk
-        x = torch.where((rows >= 0)[:, None], h[0, rows.clamp(min=0)], torch.zeros((), device=h.device))
-        ranks.append((x, seg.to(h.device), pos.to(h.device)))                  # x [halo + C, d]
-
-    local = [[] for _ in range(cp)]                 # phase 1: every rank's locally closed entries, per call
-
-    def record(r):
-        def fn(c, s, j):
-            local[r].append((c, s, j))
-            return c, s, j
-        return fn
-
-    for r, (x, seg, pos) in enumerate(ranks):
-        attention_on_layout(attn, x, seg, pos, halo, gather_entries=record(r))
-
-    def gathered(r):                                # phase 2: rank r sees all ranks' entries, rank-major
-        calls = iter(range(len(local[0])))
-
-        def fn(c, s, j):
-            k = next(calls)
-            return (torch.cat([local[q][k][0] if q != r else c for q in range(cp)]),
-                    torch.cat([local[q][k][1] for q in range(cp)]), torch.cat([local[q][k][2] for q in range(cp)]))
-        return fn
-
-    outs = [attention_on_layout(attn, x, seg, pos, halo, gather_entries=gathered(r))
-            for r, (x, seg, pos) in enumerate(ranks)]
-    return torch.cat(outs)[None]
+    gseg, gpos = (t.to(h.device) for t in seg_pos_from_cu_seqlens(cu_seqlens, T, cu_seqlens_padded))
+    store = {"phase": 1}
+    chunks = [contiguous_chunk(T, cp, r) for r in range(cp)]
+    lays = [_SimRankLayout(gseg, gpos, s, e, h, store, r, cp) for r, (s, e) in enumerate(chunks)]
+    for lay, (s, e) in zip(lays, chunks):                                      # phase 1: local entries
+        attn(h[:, s:e], lay)
+    store["phase"], store["calls"] = 2, {}
+    return torch.cat([attn(h[:, s:e], lay) for lay, (s, e) in zip(lays, chunks)], dim=1)
 
 
-# ---------------------------------------------------------------------------------------------- full model
+def rank_layout(cu_seqlens, total: int, cp: int, rank: int, halo: int = 0, cu_seqlens_padded=None):
+    """(seg [halo + C], pos [halo + C]) of the halo rows then the local chunk; halo rows before the stream get
+    seg -1 (nothing to attend)."""
+    seg, pos = seg_pos_from_cu_seqlens(cu_seqlens, total, cu_seqlens_padded)
+    start, end = contiguous_chunk(total, cp, rank)
+    gidx = torch.arange(start - halo, end)
+    ok = gidx >= 0
+    seg_e = torch.where(ok, seg[gidx.clamp(min=0)], torch.full_like(gidx, -1))
+    pos_e = torch.where(ok, pos[gidx.clamp(min=0)], torch.zeros_like(gidx))
+    return seg_e, pos_e
 
 
 def cp_model_forward(model, input_ids: torch.Tensor, labels: torch.Tensor | None, cu_seqlens, total: int,
                      cu_seqlens_padded=None, group=None):
-    """A `DSv4Model` on this rank's contiguous chunk of a packed stream: input_ids / labels [1, C] ->
-    the model's output for the chunk (logits, mtp_logits). Attention layers run `cp_attention_forward`; the MTP
-    block reads ids_next rolled inside documents across the rank boundary (model/mtp_roll.py). With labels,
-    `out.loss` is this rank's SHARE of the global loss (sum over ranks = the single-rank packed loss): CE sums
-    divided by the global target counts (all-reduced), indexer KL means weighted by global query counts.
-    MoE auxiliary losses are not included (their per-sequence statistics would need a CP all-reduce).
-    """
-    import torch.nn.functional as F
-    from .mtp_roll import IGNORE, roll_packed_cp
-    group = group or cp_group()
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    seg, _ = rank_layout(cu_seqlens, total, cp, rank, 0, cu_seqlens_padded)
-    seg = seg.to(input_ids.device)
-    ids_roll, _ = roll_packed_cp(input_ids[0], seg, group, fill=0)             # [C] next token in the doc
-    ids_roll = ids_roll[None]
-    attns = [m for m in model.modules() if type(m).__name__ == "DSv4Attention"]
-    mtps = list(getattr(model, "mtp", []))
-
-    def attn_fwd(attn):
-        return lambda h, positions=None, backend=None: cp_attention_forward(attn, h, cu_seqlens, total,
-                                                                            cu_seqlens_padded, group)
-
-    def mtp_fwd(orig):
-        return lambda X, e_next, ids_next, positions=None: orig(X, model.embed(ids_roll), ids_roll, positions)
-
-    recompute = getattr(model, "recompute", False)      # whole-block recompute would re-run after the patch
-    try:
-        model.recompute = False
-        for a in attns:
-            a.forward = attn_fwd(a)
-        for blk in mtps:
-            blk.forward = mtp_fwd(type(blk).forward.__get__(blk))
-        out = model(input_ids)
-    finally:
-        model.recompute = recompute
-        for m in attns + mtps:
-            m.__dict__.pop("forward", None)
-    if labels is None:
-        return out
-
-    def global_count(n):
-        t = torch.tensor([float(n)], device=out.logits.device)
-        dist.all_reduce(t, group=group)
-        return float(t)
-
-    V = out.logits.shape[-1]
-    lm_sum = F.cross_entropy(out.logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE,
-                             reduction="sum")
-    loss = lm_sum / global_count((labels != IGNORE).sum())
-    if out.mtp_logits is not None:
-        mtp_labels, _ = roll_packed_cp(labels[0], seg, group, fill=IGNORE)
-        mtp_sum = F.cross_entropy(out.mtp_logits.float().reshape(-1, V), mtp_labels.reshape(-1),
-                                  ignore_index=IGNORE, reduction="sum")
-        loss = loss + model.cfg.mtp_loss_scaling_factor * mtp_sum / global_count((mtp_labels != IGNORE).sum())
-    for a in attns:
-        if getattr(a, "indexer_loss", None) is not None:
-            n = a.indexer_loss_queries
-            loss = loss + a.indexer_loss * (n / max(global_count(n), 1.0))
-    out.loss = loss
-    return out
+    """A `DSv4Model` on this rank's contiguous chunk of a packed stream: input_ids / labels [1, C] -> the
+    model's output for the chunk; `out.loss` is this rank's SHARE of the global loss (sum over ranks = the
+    single-rank packed loss). = `model(input_ids, labels, layout=CPLayout(...))`."""
+    layout = CPLayout(cu_seqlens, total, cu_seqlens_padded, group, input_ids.device)
+    return model(input_ids, labels, layout=layout)

@@ -16,10 +16,10 @@ the single-rank run token by token. Both all_to_alls are autograd-aware (the bac
 all_to_all is the same all_to_all), so expert-weight gradients land on the owner rank.
 
 Process group: Megatron-Core's `parallel_state.get_expert_model_parallel_group()` when initialised, else WORLD.
+Installed by `parallelize(model, ep=group)`: each MoE layer gets an `EPDispatcher` attribute that its own
+forward calls (model/moe.py); no forward is replaced.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -160,41 +160,28 @@ def ep_experts_forward(experts, x: torch.Tensor, w: torch.Tensor, idx: torch.Ten
     return out[:n].to(x.dtype)
 
 
-def ep_moe_forward(moe, x: torch.Tensor, input_ids: torch.Tensor | None = None, group=None,
-                   static_tokens: int | None = None, capacity: int | None = None):
-    """A `model.moe.MoE` layer with expert parallelism: x [B, S, d] (this rank's tokens) -> (y [B, S, d],
-    idx [B*S, K] routing). Gate and shared expert run locally (replicated parameters)."""
-    B, S, d = x.shape
-    flat = x.reshape(B * S, d)                                                 # [n, d]
-    w, idx, _ = moe.gate(flat, input_ids)
-    y = ep_experts_forward(moe.experts, flat, w, idx, group, static_tokens, capacity) + moe.shared_experts(flat)
-    return y.view(B, S, d), idx
+class EPDispatcher:
+    """The routed-experts step of an MoE layer over the EP group: `moe.dispatcher = EPDispatcher(group)` (or
+    `parallelize(model, ep=group)`) makes `model.moe.MoE.forward` -- the one MoE forward, gate, shared expert
+    and auxiliary loss unchanged -- call `ep_experts_forward` instead of the local experts."""
+
+    def __init__(self, group=None, static_tokens: int | None = None, capacity: int | None = None):
+        self.group, self.static_tokens, self.capacity = group, static_tokens, capacity
+
+    def __call__(self, experts, x, w, idx):
+        return ep_experts_forward(experts, x, w, idx, self.group, self.static_tokens, self.capacity)
+
+    def __repr__(self) -> str:
+        return f"EPDispatcher(static_tokens={self.static_tokens}, capacity={self.capacity})"
 
 
-@contextlib.contextmanager
-def expert_parallel(model, group=None, static_tokens: int | None = None):
-    """Inside the context every `model.moe.MoE` layer of `model` dispatches its routed experts over the EP
-    group (`ep_moe_forward`); ranks may feed batches of different sizes (e.g. packed THD micro-batches of
-    different lengths). The layer's `aux_loss` is computed on the local tokens as model/moe.py does."""
-    from .moe import MoE, seq_aux_loss
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-
-    def fwd(moe):
-        def f(x, input_ids=None):
-            B, S, d = x.shape
-            flat = x.reshape(B * S, d)                                         # [n, d]
-            w, idx, scores = moe.gate(flat, input_ids)
-            y = ep_experts_forward(moe.experts, flat, w, idx, group, static_tokens) + moe.shared_experts(flat)
-            moe.aux_loss = None
-            if moe.training and moe.cfg.seq_aux_loss_coeff > 0 and not moe.gate.hash:
-                moe.aux_loss = moe.cfg.seq_aux_loss_coeff * seq_aux_loss(scores.view(B, S, -1), idx.view(B, S, -1))
-            return y.view(B, S, d)
-        return f
-
-    try:
-        for m in moes:
-            m.forward = fwd(m)
-        yield model
-    finally:
-        for m in moes:
-            m.__dict__.pop("forward", None)
+def parallelize(model, ep: object = None, static_tokens: int | None = None, capacity: int | None = None):
+    """Install expert parallelism on every MoE layer of `model` (an attribute set, nothing replaced): its routed
+    experts dispatch over the process group `ep` (default: Megatron's EP group, else WORLD); ranks may feed
+    batches of different sizes (e.g. packed THD micro-batches of different lengths). `ep=False` removes it.
+    Context parallelism is a layout (model/context_parallel.CPLayout) passed to the forward instead."""
+    from .moe import MoE
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.dispatcher = None if ep is False else EPDispatcher(ep or ep_group(), static_tokens, capacity)
+    return model

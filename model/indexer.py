@@ -3,12 +3,12 @@
 Parameters (official names): `compressor` (its own overlapping compressor, D = c_I, ratio m), `wq_b`
 [n_I*c_I, d_c] applied to the attention's q latent cQ (no separate q down-projection), `weights_proj` [n_I, d].
 
-Scores (kernel op `indexer_scores`, fp32):
-    qI = RoPE_compress(cQ @ wq_b^T)  [S,B,n_I,c_I]   (last r dims, query position)
-    KI = compressor(h)               [T,B,c_I]       (RoPE at each entry's first token)
-    I[t,j] = sum_h (w[t,h] * n_I^-1/2) * ReLU(qI[t,h] . KI[j]) * c_I^-1/2,   w = h @ weights_proj^T;
-    I[t,j] = -inf for j >= floor((t+1)/m).
-Top-k (`indexer_topk`): the min(k, T) best entries, ties -> lower index first, -1 for non-causal picks.
+Scores (kernel op `indexer_scores`, fp32), on a packed token stream (model/layout.py):
+    qI = RoPE_compress(cQ @ wq_b^T)  [Tq,n_I,c_I]    (last r dims, query position)
+    KI = compressor(h)               [N,c_I]         (RoPE at each entry's first token; static entry slots)
+    I[t,n] = sum_h (w[t,h] * n_I^-1/2) * ReLU(qI[t,h] . KI[n]) * c_I^-1/2,   w = h @ weights_proj^T;
+    I[t,n] = -inf unless entry n is in t's document and complete (j < floor((pos_t+1)/m)).
+Top-k (`indexer_topk`): the min(k, N) best entries, ties -> lower index first, -1 for not visible picks.
 
 The indexer is fed DETACHED inputs (h, cQ): top-k is a hard selection, so the LM loss never reaches the indexer,
 and the indexer loss never reaches the main model -- the indexer is trained only by `indexer_kl_loss`.
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dsv4.kernels.indexer import indexer_scores, indexer_topk
+from dsv4.kernels.sparse_attn.naive import window_keys
 
 from .compressor import Compressor
 from .config import DSv4Config
@@ -36,89 +37,87 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
         self.rope = rope
 
-    def forward(self, x: torch.Tensor, cq: torch.Tensor, positions: torch.Tensor,
-                backend: str = "naive") -> tuple[torch.Tensor, torch.Tensor]:
-        """x [S,B,d], cq [S,B,d_c] (both already detached by the caller), positions [S]
-        -> scores I [S,B,T] fp32, selected idx [S,B,min(k,T)] long (-1 = none)."""
-        S, B, _ = x.shape
-        k_idx = self.compressor(x, positions, backend=backend)                     # [T, B, c_I]
-        q = self.wq_b(cq).view(S, B, self.n_heads, self.head_dim)                   # [S, B, n_I, c_I]
-        q = self.rope(q, positions)
-        w = self.weights_proj(x)                                                    # [S, B, n_I]
-        scores = indexer_scores(q, k_idx, w, self.ratio, backend=backend)           # [S, B, T]
-        idx = indexer_topk(scores, self.topk, backend=backend)                      # [S, B, k]
-        return scores, idx
+    def forward(self, x: torch.Tensor, cq: torch.Tensor, ctx, layout, backend: str = "naive"):
+        """x [T',d] the rows the layer sees (halo + local), cq [Tq,d_c] of the local queries (both already
+        detached by the caller), ctx = (seg, pos, rope_pos, q_offset) of x's rows, layout (gathers the other
+        ranks' entries) -> (scores I [Tq,N] fp32, selected idx [Tq,min(k,N)] long (-1 = none), entry_seg [N],
+        entry_j [N])."""
+        seg, pos, rope_pos, q0 = ctx
+        Tq = cq.shape[0]
+        kI, eseg, ej = layout.gather_entries(*self.compressor(x, seg, pos, rope_pos, q0, backend=backend))
+        q = self.wq_b(cq).view(Tq, self.n_heads, self.head_dim)                      # [Tq, n_I, c_I]
+        q = self.rope(q, rope_pos[q0:])
+        w = self.weights_proj(x[q0:])                                               # [Tq, n_I]
+        scores = indexer_scores(q, kI, w, self.ratio, seg[q0:], pos[q0:], eseg, ej, backend=backend)
+        idx = indexer_topk(scores, self.topk, backend=backend)                      # [Tq, k]
+        return scores, idx, eseg, ej
 
 
-def candidates_from_idx(idx: torch.Tensor, T: int) -> torch.Tensor:
-    """idx [S,B,k] (-1 = none) -> bool [S,B,T], True at the listed entries."""
-    S, B, _ = idx.shape
-    safe = torch.where(idx < 0, torch.full_like(idx, T), idx)
-    cand = torch.zeros(S, B, T + 1, dtype=torch.bool, device=idx.device)
+def candidates_from_idx(idx: torch.Tensor, N: int) -> torch.Tensor:
+    """idx [..., k] (-1 = none) -> bool [..., N], True at the listed entries."""
+    safe = torch.where(idx < 0, torch.full_like(idx, N), idx)
+    cand = torch.zeros(*idx.shape[:-1], N + 1, dtype=torch.bool, device=idx.device)
     cand.scatter_(-1, safe, True)
-    return cand[..., :T]
+    return cand[..., :N]
 
 
 @torch.no_grad()
 def indexer_teacher(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor, cand: torch.Tensor, sink: torch.Tensor,
-                    window: int, scale: float, teacher: str, chunk: int | None = None,
-                    idx: torch.Tensor | None = None) -> torch.Tensor:
-    """Target distribution P [S,B,T] fp32 (rows sum to 1 where the row has candidates, 0 elsewhere). Detached.
+                    window: int, scale: float, teacher: str, seg: torch.Tensor, pos: torch.Tensor,
+                    q_offset: int = 0, chunk: int | None = None, idx: torch.Tensor | None = None) -> torch.Tensor:
+    """Target distribution P [Tq,N] fp32 (rows sum to 1 where the row has candidates, 0 elsewhere). Detached.
 
-    q [S,B,H,c], kv [S,B,c] (window keys, = values), comp [T,B,c], cand [S,B,T] bool, sink [H].
-    With ℓ[t,h,j] = (q[t,h] . comp[j]) * scale for candidate entries j of query t:
-      "joint":        p[t,h,j] = exp(ℓ[t,h,j]) / Z[t,h],  Z[t,h] = sum over the keys the attention softmax saw
-                      (window keys t-window < s <= t, the candidate entries, and exp(sink[h])) -- the main
-                      attention's own probability of entry j in head h. Then P[t,j] = sum_h p[t,h,j], L1-normalised
-                      over j in the candidate set (heads with more compressed mass weigh more).
-      "renormalized": p[t,h,j] = softmax over the candidate entries only of ℓ[t,h,:] (each head has unit mass,
-                      window and sink ignored); P[t,j] = sum_h p[t,h,j] / H.
-    Computed over blocks of `chunk` queries (the window logits only over the keys a block can see), so the
-    memory is O(chunk * (T + chunk + window)) per (b, h), never [S, S] or [S, H, T]. With `idx` [S,B,k] (-1 =
-    none; then cand must be `candidates_from_idx(idx, T)`) the compressed logits are formed only at the k listed
-    entries (O(chunk * k) per (b, h)) and scattered into P: the same values.
+    q [Tq,H,c] (query t = key row q_offset + t), kv [Tk,c] (window keys, = values) with seg / pos [Tk],
+    comp [N,c], cand [Tq,N] bool, sink [H]. With l[t,h,n] = (q[t,h] . comp[n]) * scale for candidates n of t:
+      "joint":        p[t,h,n] = exp(l[t,h,n]) / Z[t,h],  Z[t,h] = sum over the keys the attention softmax saw
+                      (the window keys of t's document, kernels/sparse_attn, the candidate entries, and
+                      exp(sink[h])) -- the main attention's own probability of entry n in head h. Then
+                      P[t,n] = sum_h p[t,h,n], L1-normalised over the candidates (heads with more compressed
+                      mass weigh more).
+      "renormalized": p[t,h,n] = softmax over the candidate entries only of l[t,h,:] (each head has unit mass,
+                      window and sink ignored); P[t,n] = sum_h p[t,h,n] / H.
+    Computed over blocks of `chunk` queries, so the memory is O(chunk * (N + window)) per head, never
+    [Tq, H, N] at once. With `idx` [Tq,k] (-1 = none; then cand must be `candidates_from_idx(idx, N)`) the
+    compressed logits are formed only at the k listed entries (O(chunk * k) per head) and scattered into P.
     """
     if teacher not in ("joint", "renormalized"):
         raise ValueError(f"indexer_teacher: teacher must be joint|renormalized, got {teacher!r}")
-    S, B, H, c = q.shape
-    T = comp.shape[0]
+    Tq, H, c = q.shape
+    N = comp.shape[0]
     dt = torch.promote_types(q.dtype, torch.float32)                                # fp32 (fp64 stays)
     compf = comp.detach().to(dt)
-    if chunk is None:      # the largest power of two (256..S) whose fp32 logits block stays under 256 MiB
-        n_c = T if idx is None else idx.shape[-1]
+    kvf = kv.detach().to(dt)
+    if chunk is None:      # the largest power of two (256..Tq) whose fp32 logits block stays under 256 MiB
+        n_c = N if idx is None else idx.shape[-1]
         chunk = 256
-        while chunk < S and 2 * chunk * B * H * (n_c + 2 * chunk + window) * 4 <= 2 ** 28:
+        while chunk < Tq and 2 * chunk * H * (n_c + window) * 4 <= 2 ** 28:
             chunk *= 2
-    P = torch.zeros(S, B, T, dtype=dt, device=q.device)
-    for a in range(0, S, chunk):
-        e = min(S, a + chunk)
-        qf = q[a:e].detach().to(dt)                                                  # [C, B, H, c]
+    wrows, wvalid = window_keys(seg, pos, Tq, window, q_offset)                      # [Tq, W]
+    P = torch.zeros(Tq, N, dtype=dt, device=q.device)
+    for a in range(0, Tq, chunk):
+        e = min(Tq, a + chunk)
+        qf = q[a:e].detach().to(dt)                                                  # [C, H, c]
         if idx is None:
-            cc = cand[a:e]                                                           # [C, B, T]
-            lc = torch.einsum("sbhc,tbc->sbht", qf, compf) * scale                   # [C, B, H, T]
+            cc = cand[a:e]                                                           # [C, N]
+            lc = torch.einsum("thc,nc->thn", qf, compf) * scale                      # [C, H, N]
         else:
-            cc = idx[a:e] >= 0                                                       # [C, B, k]
+            cc = idx[a:e] >= 0                                                       # [C, k]
             safe = idx[a:e].clamp_min(0)
-            g = compf.transpose(0, 1)[torch.arange(B, device=q.device)[None, :, None], safe]   # [C, B, k, c]
-            lc = torch.einsum("sbhc,sbkc->sbhk", qf, g) * scale                      # [C, B, H, k]
-        lc = lc.masked_fill(~cc[:, :, None, :], float("-inf"))
+            lc = torch.einsum("thc,tkc->thk", qf, compf[safe]) * scale               # [C, H, k]
+        lc = lc.masked_fill(~cc[:, None, :], float("-inf"))
         if teacher == "joint":
-            k0 = max(0, a - window + 1)                                              # first key block a can see
-            t = torch.arange(a, e, device=q.device)
-            s = torch.arange(k0, e, device=q.device)
-            band = (s[None, :] <= t[:, None]) & (s[None, :] > t[:, None] - window)   # [C(query), K(key)]
-            lw = torch.einsum("sbhc,ubc->sbhu", qf, kv[k0:e].detach().to(dt)) * scale   # [C, B, H, K]
-            lw = lw.masked_fill(~band[:, None, None, :], float("-inf"))
-            ls = sink.detach().to(dt).view(1, 1, H, 1).expand(e - a, B, H, 1)
-            lse = torch.logsumexp(torch.cat([lw, lc, ls], dim=-1), dim=-1, keepdim=True)   # [C, B, H, 1]
+            lw = torch.einsum("thc,twc->thw", qf, kvf[wrows[a:e]]) * scale           # [C, H, W]
+            lw = lw.masked_fill(~wvalid[a:e, None, :], float("-inf"))
+            ls = sink.detach().to(dt).view(1, H, 1).expand(e - a, H, 1)
+            lse = torch.logsumexp(torch.cat([lw, lc, ls], dim=-1), dim=-1, keepdim=True)   # [C, H, 1]
             p = torch.exp(lc - lse)                                                  # 0 outside cand
         else:
             lse = torch.logsumexp(lc, dim=-1, keepdim=True)
-            p = torch.where(cc[:, :, None, :], torch.exp(lc - lse), torch.zeros_like(lc))
+            p = torch.where(cc[:, None, :], torch.exp(lc - lse), torch.zeros_like(lc))
         if idx is None:
-            P[a:e] = p.sum(dim=2)                                                    # [C, B, T]
+            P[a:e] = p.sum(dim=1)                                                    # [C, N]
         else:
-            P[a:e].scatter_add_(-1, safe, p.sum(dim=2).masked_fill(~cc, 0.0))        # [C, B, k] -> [C, B, T]
+            P[a:e].scatter_add_(-1, safe, p.sum(dim=1).masked_fill(~cc, 0.0))        # [C, k] -> [C, N]
     total = P.sum(dim=-1, keepdim=True)
     return torch.where(total > 0, P / total.clamp_min(torch.finfo(P.dtype).tiny), torch.zeros_like(P))
 
@@ -169,7 +168,8 @@ def indexer_kl_loss(scores: torch.Tensor, target: torch.Tensor, cand: torch.Tens
                     chunk: int = 4096) -> torch.Tensor:
     """Mean over queries with >= 1 candidate of KL(target[t] || softmax over the candidates of scores[t]).
 
-    scores [S,B,T] (the indexer's I, differentiable), target [S,B,T] (detached, 0 outside cand), cand [S,B,T].
+    scores [..., N] (the indexer's I, [Tq, N] in the model; differentiable), target [..., N] (detached, 0 outside
+    cand), cand [..., N] bool: every leading index is one query.
     Queries without any candidate (t < m-1) are left out of the mean; returns 0 (with a graph) if none has one.
     Gradient (per row with candidates, N of them): (softmax_cand(scores) * sum(target) - target) / N on the
     candidates, 0 elsewhere. No host synchronisation.

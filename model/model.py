@@ -6,11 +6,13 @@
     mtp_logits = head(MTP(X, Embed(ids_next)))         depth 1 (model/mtp.py)
 
 Labels follow Megatron: `labels[:, t]` is the target of position t (already shifted), -100 = ignored. The MTP
-input at position t is token t+1 (`ids_next` = ids shifted left; the last position gets id 0) and its target is
-`labels[:, t+1]` (the last position is ignored).
+input at position t is token t+1 of t's document (`ids_next`; a document's last position gets id 0) and its
+target is `labels[:, t+1]` of the same document (a document's last position is ignored).
 
-loss = lm + mtp_loss_scaling_factor * mtp_1 + indexer + moe aux; `losses` holds detached scalars under
-Megatron's metric names ("lm loss", "mtp_1 loss" (unscaled CE), "indexer loss", "moe aux loss").
+loss = lm + mtp_loss_scaling_factor * mtp_1 + indexer + moe aux, formed by model/losses.assemble_losses (the
+one assembler of every path); `losses` holds detached scalars under Megatron's metric names ("lm loss",
+"mtp_1 loss" (unscaled CE), "indexer loss", "moe aux loss"). Every forward runs on a `Layout`
+(model/layout.py): a plain [B, S] batch is B documents of S tokens, a packed row carries cu_seqlens.
 Parameter names follow DeepSeek's official checkpoint (`embed.weight`, `layers.{i}.*`, `norm.weight`,
 `hc_head_*`, `head.weight`, `mtp.0.*`).
 """
@@ -24,6 +26,8 @@ from torch import nn
 
 from dsv4.model.block import Block
 from dsv4.model.config import ConfigError, DSv4Config
+from dsv4.model.layout import Layout
+from dsv4.model.losses import AuxLosses, acc, assemble_losses
 from dsv4.model.mhc import expand_streams, hc_head, mhc_parameters
 import dsv4.kernels as kernels
 from dsv4.model.moe import EXPERT_GEMMS, Experts, Gate, MoE
@@ -41,6 +45,7 @@ class DSv4Output:
     mtp_logits: torch.Tensor | None = None       # [B, S, V] (position t predicts token t+2)
     loss: torch.Tensor | None = None             # scalar, with graph
     losses: dict = field(default_factory=dict)   # Megatron metric name -> detached scalar
+    aux: AuxLosses | None = None                 # this forward's auxiliary losses and indexer selections
 
 
 class DSv4Model(nn.Module):
@@ -66,70 +71,64 @@ class DSv4Model(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 return_logits: bool = True, cu_seqlens: torch.Tensor | None = None,
-                cu_seqlens_padded: torch.Tensor | None = None) -> DSv4Output:
+                cu_seqlens_padded: torch.Tensor | None = None, layout: Layout | None = None) -> DSv4Output:
         """input_ids [B, S] (int), labels [B, S] or None -> DSv4Output.
 
+        The batch's documents: `cu_seqlens` (+ `cu_seqlens_padded`, Megatron's PackedSeqParams) over the B*S
+        tokens, e.g. a packed row [1, T]; neither: B documents of S tokens; or a prepared `layout` (a parallel
+        layout, model/context_parallel.py). Every document's logits / mtp_logits equal running it alone.
+        Labels follow Megatron: labels[t] = target of t (already shifted inside each document), -100 ignored;
+        the MTP labels are the labels rolled once inside each document (model/layout.py).
         return_logits=False (needs labels): the LM and MTP cross-entropies are computed by `head_cross_entropy`
         over row blocks, never holding the [B, S, V] logits (same loss; `logits`/`mtp_logits` are None)."""
-        if cu_seqlens is not None:      # packed THD input [1, T] (slice D6): documents run as if alone
-            from dsv4.model.thd import packed_model_forward
-            return packed_model_forward(self, input_ids, labels, cu_seqlens, cu_seqlens_padded)
         if not return_logits and labels is None:
             raise ValueError("DSv4Model.forward: return_logits=False needs labels")
         B, S = input_ids.shape
+        if layout is None:
+            layout = Layout.batch(B, S, input_ids.device) if cu_seqlens is None else \
+                Layout.packed(cu_seqlens, (B, S), cu_seqlens_padded, input_ids.device)
+        elif cu_seqlens is not None:
+            raise ValueError("DSv4Model.forward: give cu_seqlens or a layout, not both")
         cfg = self.cfg
-        positions = torch.arange(S, device=input_ids.device)
+        aux = AuxLosses()
         e = self.embed(input_ids)                                               # [B, S, d]
         X = expand_streams(e, cfg.hc_mult)                                      # [B, S, n, d]
         ckpt = self.recompute and torch.is_grad_enabled()
         for layer in self.layers:
-            X = checkpoint_block(layer, X, input_ids, positions) if ckpt else layer(X, input_ids, positions)
+            X = checkpoint_block(layer, X, input_ids, layout, aux) if ckpt else layer(X, input_ids, layout, aux)
         y = self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg, self.backend))
 
         y_mtp = None
         if len(self.mtp):
-            ids_next = F.pad(input_ids[:, 1:], (0, 1), value=0)                 # [B, S]: token t+1
+            ids_next = layout.roll_next(input_ids, 0)                           # [B, S]: token t+1 in the doc
             e_next = self.embed(ids_next)
-            y_mtp = checkpoint_block(self.mtp[0], X, e_next, ids_next, positions) if ckpt else \
-                self.mtp[0](X, e_next, ids_next, positions)                     # [B, S, d]
+            y_mtp = checkpoint_block(self.mtp[0], X, e_next, ids_next, layout, aux) if ckpt else \
+                self.mtp[0](X, e_next, ids_next, layout, aux)                   # [B, S, d]
 
         if return_logits:
             out = DSv4Output(logits=self.head(y), mtp_logits=None if y_mtp is None else self.head(y_mtp))
         else:
             out = DSv4Output(logits=None)
+        out.aux = aux
         if labels is not None:
-            out.loss, out.losses = self._losses(out.logits, out.mtp_logits, labels, y, y_mtp)
+            lm = self._ce(out.logits, y, labels)
+            mtp = None
+            if y_mtp is not None:
+                mtp = self._ce(out.mtp_logits, y_mtp, layout.roll_next(labels, IGNORE))
+            main, extra, out.losses = assemble_losses(cfg, aux, lm, mtp, layout.global_count)
+            out.loss = main if extra is None else main + extra
         return out
 
     def _ce(self, logits, y, labels):
+        """(CE sum over the non-ignored targets, their count) of the head's logits (or of y through the head)."""
+        labels = labels.reshape(-1)
+        n = (labels != IGNORE).sum()
         if logits is not None:
             V = self.cfg.vocab_size
-            return F.cross_entropy(_acc(logits).reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE)
-        return head_cross_entropy(y.reshape(-1, y.shape[-1]), self.head.weight, labels.reshape(-1))
-
-    def _losses(self, logits, mtp_logits, labels, y=None, y_mtp=None, mtp_labels=None):
-        """lm + w * mtp + indexer + MoE aux, and the detached parts under Megatron's metric names. `mtp_labels`
-        defaults to labels shifted by one (the packed path passes its per-document roll)."""
-        lm = self._ce(logits, y, labels)
-        loss, losses = lm, {"lm loss": lm.detach()}
-        if mtp_logits is not None or y_mtp is not None:
-            if mtp_labels is None:
-                mtp_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE)        # target of t is labels[t+1]
-            mtp = self._ce(mtp_logits, y_mtp, mtp_labels)
-            loss = loss + self.cfg.mtp_loss_scaling_factor * mtp
-            losses["mtp_1 loss"] = mtp.detach()
-        idx_loss = [a.indexer_loss for a in self._attns() if getattr(a, "indexer_loss", None) is not None]
-        if idx_loss:
-            il = torch.stack([_acc(t) for t in idx_loss]).sum()
-            loss, losses["indexer loss"] = loss + il, il.detach()
-        aux = [m.aux_loss for m in self.modules() if isinstance(m, MoE) and m.aux_loss is not None]
-        if aux:
-            al = torch.stack([_acc(t) for t in aux]).sum()
-            loss, losses["moe aux loss"] = loss + al, al.detach()
-        return loss, losses
-
-    def _attns(self):
-        return [b.attn for b in list(self.layers) + list(self.mtp)]
+            s = F.cross_entropy(acc(logits).reshape(-1, V), labels, ignore_index=IGNORE, reduction="sum")
+        else:
+            s = head_cross_entropy(y.reshape(-1, y.shape[-1]), self.head.weight, labels, reduction="sum")
+        return s, n.to(s.dtype)
 
     # ------------------------------------------------------------------ training helpers
     def update_expert_bias(self) -> None:
@@ -172,11 +171,6 @@ class DSv4Model(nn.Module):
         self.recompute = bool(on)
         return self
 
-    def set_recompute_mhc(self, on: bool = True) -> "DSv4Model":
-        for b in list(self.layers) + list(self.mtp):
-            b.recompute_mhc = on
-        return self
-
     # ------------------------------------------------------------------ selective FP32 (P1)
     def to(self, *args, **kwargs):
         device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
@@ -199,18 +193,13 @@ class DSv4Model(nn.Module):
         return cast_model(self, torch.float32)
 
 
-def _acc(t: torch.Tensor) -> torch.Tensor:
-    """Loss precision: fp32 for half types, fp64 stays fp64 (the cross-host fp64 golden runs)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
 class _HeadCrossEntropy(torch.autograd.Function):
     """mean over non-ignored rows of CE(y @ W^T, labels), the logits formed in W's dtype and upcast to fp32 as
     `F.cross_entropy(head(y).float(), labels)` does, over blocks of `chunk` rows; backward recomputes each
     block's logits, so only y, W, labels and the per-row log-sum-exp are kept."""
 
     @staticmethod
-    def forward(ctx, y, weight, labels, chunk):
+    def forward(ctx, y, weight, labels, chunk, mean):
         N = y.shape[0]
         dt = torch.promote_types(y.dtype, torch.float32)                       # fp32 (fp64 stays fp64)
         valid = labels != IGNORE
@@ -225,8 +214,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
             total += torch.where(valid[a:a + chunk], l - tgt, torch.zeros_like(l)).sum()
             lse[a:a + chunk] = l
         ctx.save_for_backward(y, weight, safe, valid, lse, n)
-        ctx.chunk = chunk
-        return total / n                                                       # nan if every label is ignored
+        ctx.chunk, ctx.mean = chunk, mean
+        return total / n if mean else total                                    # mean: nan if all are ignored
 
     @staticmethod
     def backward(ctx, g):
@@ -234,7 +223,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
         dy = torch.empty_like(y)
         dt = lse.dtype
         dw = torch.zeros(weight.shape, dtype=dt, device=weight.device)
-        coef = g.to(dt) / n
+        coef = g.to(dt) / n if ctx.mean else g.to(dt)
         for a in range(0, y.shape[0], ctx.chunk):
             yc = y[a:a + ctx.chunk]
             p = torch.exp(F.linear(yc, weight).to(dt) - lse[a:a + ctx.chunk, None])    # softmax [C, V]
@@ -243,14 +232,16 @@ class _HeadCrossEntropy(torch.autograd.Function):
             gl = p.to(y.dtype)                                                 # dlogits in the logits' dtype
             dy[a:a + ctx.chunk] = gl @ weight
             dw += (gl.t() @ yc).to(dt)
-        return dy, dw.to(weight.dtype), None, None
+        return dy, dw.to(weight.dtype), None, None, None
 
 
 def head_cross_entropy(y: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                       chunk: int = 8192) -> torch.Tensor:
-    """y [N, d], weight [V, d], labels [N] (IGNORE = -100) -> mean CE of the logits y @ weight^T (fp32 softmax),
-    never materialising [N, V]: the memory of one block of `chunk` rows."""
-    return _HeadCrossEntropy.apply(y, weight, labels, chunk)
+                       chunk: int = 8192, reduction: str = "mean") -> torch.Tensor:
+    """y [N, d], weight [V, d], labels [N] (IGNORE = -100) -> mean (or "sum") CE of the logits y @ weight^T
+    (fp32 softmax), never materialising [N, V]: the memory of one block of `chunk` rows."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"head_cross_entropy: reduction must be mean|sum, got {reduction!r}")
+    return _HeadCrossEntropy.apply(y, weight, labels, chunk, reduction == "mean")
 
 
 def build_model(cfg: DSv4Config | str, device: str | torch.device | None = None, **overrides) -> DSv4Model:

@@ -19,7 +19,8 @@ per-expert `ffn.experts.{e}.w1|w2|w3.weight` are produced / consumed by `model/c
 Load balancing (spec §9.4, training only): auxiliary-loss-free expert bias updated outside the gradient by
 `update_expert_bias()` (b_e += gamma * sign(mean_load - load_e), from the token counts accumulated since the
 last update), plus the V3 sequence-wise balance loss alpha * sum_e f_e P_e per sequence (score layers only:
-hash layers have no learned selection to balance). The loss (coefficient applied) is left in `self.aux_loss`.
+hash layers have no learned selection to balance). The loss (coefficient applied) goes to the forward's
+`AuxLosses` (model/losses.py). Expert parallelism installs a `dispatcher` (model/ep_dispatch.py) on the layer.
 """
 from __future__ import annotations
 
@@ -207,17 +208,18 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                   cfg.swiglu_limit if cfg.shared_expert_clamp else None)
-        self.aux_loss: torch.Tensor | None = None
+        self.dispatcher = None       # None: the local experts; an EP dispatcher (model/ep_dispatch.py) if installed
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, S, d], input_ids [B, S] -> [B, S, d]."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None, aux=None) -> torch.Tensor:
+        """x [B, S, d], input_ids [B, S], aux (model/losses.AuxLosses: receives the sequence-wise balance loss
+        in training) -> [B, S, d]."""
         B, S, d = x.shape
         flat = x.reshape(B * S, d)                                             # [T, d]
         w, idx, scores = self.gate(flat, input_ids)
-        y = self.experts(flat, w, idx) + self.shared_experts(flat)
-        self.aux_loss = None
-        if self.training and self.cfg.seq_aux_loss_coeff > 0 and not self.gate.hash:
-            self.aux_loss = self.cfg.seq_aux_loss_coeff * seq_aux_loss(scores.view(B, S, -1), idx.view(B, S, -1))
+        routed = self.experts(flat, w, idx) if self.dispatcher is None else self.dispatcher(self.experts, flat, w, idx)
+        y = routed + self.shared_experts(flat)
+        if aux is not None and self.training and self.cfg.seq_aux_loss_coeff > 0 and not self.gate.hash:
+            aux.add_moe(self.cfg.seq_aux_loss_coeff * seq_aux_loss(scores.view(B, S, -1), idx.view(B, S, -1)))
         return y.view(B, S, d)
 
 

@@ -32,10 +32,11 @@ class MTPBlock(Block):
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.hc_head_fn, self.hc_head_base, self.hc_head_scale = mhc_parameters(cfg, head=True)
 
-    def forward(self, X: torch.Tensor, e_next: torch.Tensor, ids_next: torch.Tensor,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        """X [B, S, n, d] main streams, e_next [B, S, d] = Embed(ids_next) -> y [B, S, d] (before the head)."""
+    def forward(self, X: torch.Tensor, e_next: torch.Tensor, ids_next: torch.Tensor, layout=None,
+                aux=None) -> torch.Tensor:
+        """X [B, S, n, d] main streams, e_next [B, S, d] = Embed(ids_next) (ids_next = `layout.roll_next(ids, 0)`:
+        token t+1 inside t's document) -> y [B, S, d] (before the head)."""
         X0 = self.e_proj(self.enorm(e_next)).unsqueeze(2) + self.h_proj(self.hnorm(X))   # [B, S, n, d]
-        X1 = super().forward(X0, ids_next, positions)
+        X1 = super().forward(X0, ids_next, layout, aux)
         return self.norm(hc_head(X1, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg,
                                  self.backend))

@@ -4,9 +4,10 @@ MTP depth 1 (spec §10.1) reads token t+1 at position t (`ids_next`) and predict
 On a packed stream "t+1" must stay inside t's document: the last real token of each document gets `fill`
 (as a document run alone: its MTP input is the pad id, its MTP label is ignored). Two Megatron bugs this avoids:
   * #4495: with CP, boundaries must come from `cu_seqlens_padded` (the real offsets of the documents in the
-    stream), not from cu_seqlens -- we derive (seg, pos) from both (model/thd.py), so padding never counts;
+    stream), not from cu_seqlens -- we derive (seg, pos) from both (model/layout.py), so padding never counts;
   * #5011 review: the loss mask rolled twice -- here labels / masks are rolled ONCE, by the same function, and
     an ignored label is never "un-ignored" by a second roll.
+The model reads the roll from its layout (`Layout.roll_next`; `CPLayout.roll_next` = `roll_packed_cp`).
 Under contiguous CP (rank r holds tokens [r C, (r+1) C)) the last local token needs row 0 of rank r+1's
 chunk (and its document id): one autograd-aware all-gather of the first rows (backward returns the gradient to
 the owner rank).
@@ -16,22 +17,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .thd import seg_pos_from_cu_seqlens
+from .layout import IGNORE, roll_packed, seg_pos_from_cu_seqlens
 
-IGNORE = -100
-
-
-def roll_packed(x: torch.Tensor, seg: torch.Tensor, fill=0) -> tuple[torch.Tensor, torch.Tensor]:
-    """y[t] = x[t+1] if tokens t and t+1 belong to the same document, else `fill`; x [T, ...] (token-major).
-
-    Returns (y [T, ...], valid [T] bool). Padding tokens (seg -1) are never valid.
-    """
-    T = x.shape[0]
-    nxt_seg = torch.cat([seg[1:], seg.new_full((1,), -1)])
-    valid = (seg >= 0) & (nxt_seg == seg)
-    nxt = torch.cat([x[1:], x[:1]], dim=0)                                     # x[t+1] (wraps; masked below)
-    vshape = (T,) + (1,) * (x.dim() - 1)
-    return torch.where(valid.view(vshape), nxt, torch.as_tensor(fill, dtype=x.dtype, device=x.device)), valid
+__all__ = ["IGNORE", "roll_packed", "mtp_inputs", "roll_packed_cp", "roll_chunk"]
 
 
 def mtp_inputs(input_ids: torch.Tensor, labels: torch.Tensor | None, cu_seqlens,

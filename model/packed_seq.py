@@ -88,7 +88,7 @@ def make_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None
 
 def seg_pos_static(buf: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(seg [T], pos [T]) of the packed stream described by `buf`, with no host synchronisation and static
-    shapes, so it can run inside a captured CUDA graph. Same result as model.thd.seg_pos_from_cu_seqlens."""
+    shapes, so it can run inside a captured CUDA graph. Same result as model.layout.seg_pos_from_cu_seqlens."""
     cu, cup = buf[0].long(), buf[2].long()                                   # real / padded offsets [n+1]
     t = torch.arange(total, device=buf.device)                               # [T]
     doc = torch.searchsorted(cup[1:].contiguous(), t, right=True)            # [T] slot holding token t

@@ -21,9 +21,10 @@ order: micro-batches go in groups of pp, and inside a group a rank runs its chun
 r, r + pp, ...; backward: the reverse). With vpp > 1 the number of micro-batches must be a multiple of pp (as in
 Megatron's interleaved schedule). Every micro-batch's objective is divided by M (gradient accumulation).
 
-Losses: the last chunk computes lm + mtp_loss_scaling_factor * mtp (as `DSv4Model._losses`); the indexer and MoE
-auxiliary losses are computed inside whichever chunk holds their layers, collected right after that chunk's
-forward, and back-propagated by that chunk (the whole-model loss is their sum). Reported metrics are reduced over
+Losses: every chunk forms its part with model/losses.assemble_losses (the assembler of DSv4Model): the last
+chunk lm + mtp_loss_scaling_factor * mtp; the indexer and MoE auxiliary losses are returned by the layers of
+whichever chunk holds them (its forward's AuxLosses) and back-propagated by that chunk (the whole-model loss
+is their sum). Reported metrics are reduced over
 the pipeline ranks.
 
 Transports: `P2PTransport` (torch.distributed send/recv, e.g. gloo on CPU) and `LoopbackTransport` (one process
@@ -43,8 +44,9 @@ from torch import nn
 
 from dsv4.model.config import ConfigError
 from dsv4.model.mhc import expand_streams, hc_head
+from dsv4.model.layout import Layout
+from dsv4.model.losses import AuxLosses, assemble_losses
 from dsv4.model.model import IGNORE, DSv4Model
-from dsv4.model.moe import MoE
 
 FWD, BWD = 0, 1            # message tags: streams forward, their gradient backward
 METRICS = ("lm loss", "mtp_1 loss", "indexer loss", "moe aux loss")
@@ -83,7 +85,8 @@ class ModelChunk(nn.Module):
                 m.backend = backend
         return self
 
-    def forward(self, X: torch.Tensor | None, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+    def forward(self, X: torch.Tensor | None, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                layout: Layout | None = None):
         """X [B, S, n, d] streams (None on chunk 0), input_ids [B, S], labels [B, S] (last chunk).
 
         Returns (out, aux, metrics): out = the streams [B, S, n, d] (not last) or the scalar lm + lambda * mtp
@@ -92,38 +95,32 @@ class ModelChunk(nn.Module):
         """
         cfg = self.cfg
         B, S = input_ids.shape
-        positions = torch.arange(S, device=input_ids.device)
+        if layout is None:
+            layout = Layout.batch(B, S, input_ids.device)                          # B documents of S tokens
+        aux = AuxLosses()
         if self.is_first:
             X = expand_streams(self.embed(input_ids), cfg.hc_mult)                 # [B, S, d] -> [B, S, n, d]
         for i in self.layer_ids:
-            X = self.layers[str(i)](X, input_ids, positions)                       # [B, S, n, d]
-        metrics = {}
+            X = self.layers[str(i)](X, input_ids, layout, aux)                     # [B, S, n, d]
+        lm = mtp = None
         out = X
         if self.is_last:
             if labels is None:
                 raise ValueError("ModelChunk.forward: the last chunk needs labels")
             y = self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg, self.backend))
-            logits = self.head(y)                                                  # [B, S, V]
-            V = cfg.vocab_size
-            out = F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE)
-            metrics["lm loss"] = out.detach()
+            lm = _ce_sum(self.head(y), labels)                                     # [B, S, V] logits
             if len(self.mtp):                                                      # MTP reads the final streams X
-                ids_next = F.pad(input_ids[:, 1:], (0, 1), value=0)                # [B, S]: token t+1
-                mtp_logits = self.head(self.mtp[0](X, self.embed(ids_next), ids_next, positions))
-                mtp_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
-                mtp = F.cross_entropy(mtp_logits.float().reshape(-1, V), mtp_labels.reshape(-1),
-                                      ignore_index=IGNORE)
-                out = out + cfg.mtp_loss_scaling_factor * mtp
-                metrics["mtp_1 loss"] = mtp.detach()
-        aux = None
-        idx = [m.indexer_loss for m in self.modules() if getattr(m, "indexer_loss", None) is not None]
-        moe = [m.aux_loss for m in self.modules() if isinstance(m, MoE) and m.aux_loss is not None]
-        for name, terms in (("indexer loss", idx), ("moe aux loss", moe)):
-            if terms:
-                t = torch.stack([x.float() for x in terms]).sum()
-                metrics[name] = t.detach()
-                aux = t if aux is None else aux + t
-        return out, aux, metrics
+                ids_next = layout.roll_next(input_ids, 0)                          # [B, S]: token t+1
+                y_mtp = self.mtp[0](X, self.embed(ids_next), ids_next, layout, aux)
+                mtp = _ce_sum(self.head(y_mtp), layout.roll_next(labels, IGNORE))
+        main, extra, metrics = assemble_losses(cfg, aux, lm, mtp)
+        return (main if self.is_last else out), extra, metrics
+
+
+def _ce_sum(logits, labels):
+    labels = labels.reshape(-1)
+    s = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels, ignore_index=IGNORE, reduction="sum")
+    return s, (labels != IGNORE).sum().to(s.dtype)
 
 
 def _stages_from(model: DSv4Model, stages) -> list[list[int]]:
@@ -305,13 +302,13 @@ def _ready(st: _RankState, transport, pp: int, num_chunks: int) -> bool:
 def _step(st: _RankState, transport, batches, pp: int, num_chunks: int):
     kind, mb, c = st.actions[st.pos]
     st.pos += 1
-    ids, labels = batches[mb]
+    ids, labels, *lay = batches[mb]                                # (ids, labels[, layout]): a packed micro-batch
     chunk, M = st.chunks[c], len(batches)
     if kind == "F":
         X = None
         if c > 0:
             X = transport.recv(chunk_owner(c - 1, pp), st.rank, FWD).requires_grad_(True)   # [B, S, n, d]
-        out, aux, metrics = chunk(X, ids, labels if chunk.is_last else None)
+        out, aux, metrics = chunk(X, ids, labels if chunk.is_last else None, lay[0] if lay else None)
         st.metrics.append(metrics)
         if not chunk.is_last:
             transport.send(out, st.rank, chunk_owner(c + 1, pp), FWD)

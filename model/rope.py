@@ -18,12 +18,11 @@
 """
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import nn
 
-from .config import ConfigError, DSv4Config
+from .config import ConfigError, DSv4Config, yarn_correction_range
 
 
 class RopeError(ValueError):
@@ -31,15 +30,6 @@ class RopeError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------- tables (§5.6)
-
-def yarn_correction_range(rope_dim: int, base: float, original_max_pos: float, beta_fast: float,
-                          beta_slow: float) -> tuple[float, float]:
-    """(low, high) pair indices of the YaRN ramp: floor / ceil of the correction dims, clamped to [0, r-1]."""
-    def corr(nrot: float) -> float:
-        return rope_dim * math.log(original_max_pos / (nrot * 2 * math.pi)) / (2 * math.log(base))
-
-    return max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), rope_dim - 1)
-
 
 def rope_inv_freq(rope_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     """Inverse frequencies [r/2] fp32: θ_i = theta^{-2i/r}, optionally YaRN-blended (spec §5.6)."""

@@ -1,14 +1,21 @@
-"""Compressor softmax pooling, plain PyTorch reference (spec §6.2 HCA, §6.3 CSA).
+"""Compressor softmax pooling on a packed token stream, plain PyTorch reference (spec §6.2 HCA, §6.3 CSA).
 
 Only the gated pooling lives here; the projections (wkv, wgate), the RMSNorm and the RoPE of the entries are
-applied by `model/compressor.py`. Layout SBHD-style: sequence first.
+applied by `model/compressor.py`. Layout THD (token-major `[T, ...]`, Megatron's `t h d`) with the per-token
+document metadata of the stream (model/layout.py): `seg [T]` (document id, -1 = padding), `pos [T]` (position
+inside the document). A plain sequence is one document (seg 0, pos 0..S-1).
 
-    entry w (HCA, overlap=False): softmax over the m tokens of window w, per channel, of gate + ape
-    entry w (CSA, overlap=True):  2m slots per channel -- slots 0..m-1 = window w-1, FIRST half of the channels
-                                  ([..., :D], the "previous-window" series), slots m..2m-1 = window w, SECOND half
-                                  ([..., D:]). Entry 0 has no previous window: those slots get weight exactly 0.
+    entry (doc, j) closes at the token with pos = (j+1) m - 1 and pools that document's tokens j m .. (j+1) m - 1:
+    HCA (overlap=False): softmax over the m tokens, per channel, of gate + ape;
+    CSA (overlap=True):  2m slots per channel -- slots 0..m-1 = tokens (j-1) m .. j m - 1, FIRST half of the
+                         channels ([..., :D], the "previous-window" series), slots m..2m-1 = window j, SECOND
+                         half ([..., D:]). Entry j = 0 has no previous window: those slots get weight exactly 0.
+An entry never pools two documents; trailing tokens that do not fill a window give no entry.
 
-Trailing tokens that do not fill a window produce no entry (S < m gives zero entries).
+Static shapes (CUDA graphs, torch.compile): the entries are returned in N = ceil((T - first) / m) SLOTS, slot s
+holding the entry that closes at a token index in [first + s m, first + (s+1) m) (at most one can: two entries
+close at least m tokens apart), empty slots with seg -1 and value 0. Tokens before `first` are left context only
+(a context-parallel halo): they feed windows that close at or after `first` and produce no entry themselves.
 The softmax runs in fp32 (fp64 for fp64 inputs; ape is fp32); the pooled vector is returned in kv's dtype.
 """
 from __future__ import annotations
@@ -16,41 +23,90 @@ from __future__ import annotations
 import torch
 
 
-def check_args(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool) -> None:
+class LayoutError(ValueError):
+    """Bad packed-stream input of a kernel op (one line, naming the field)."""
+
+
+def num_slots(T: int, ratio: int, first: int = 0) -> int:
+    """Static number of entry slots of a stream of T tokens whose first `first` are left context."""
+    return -(-(T - first) // ratio)
+
+
+def entry_slots(seg: torch.Tensor, pos: torch.Tensor, ratio: int, first: int = 0):
+    """(ends [N] long, valid [N] bool, j [N] long): the token index where slot s's entry closes (any in-range
+    index when empty), whether the slot holds an entry, and the entry's index j in its document (0 if empty)."""
+    m = ratio
+    T = seg.shape[0]
+    L = T - first
+    N = num_slots(T, m, first)
+    closes = (seg[first:] >= 0) & ((pos[first:] + 1) % m == 0)                    # [L]
+    closes = torch.cat([closes, closes.new_zeros(N * m - L)]).view(N, m)
+    valid = closes.any(dim=1)
+    off = closes.to(torch.int8).argmax(dim=1)                                    # the one closing token
+    ends = torch.where(valid, first + torch.arange(N, device=seg.device) * m + off,
+                       torch.full_like(off, T - 1))
+    j = torch.where(valid, (pos[ends] + 1) // m - 1, torch.zeros_like(ends))
+    return ends, valid, j
+
+
+def check_args(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool,
+               seg: torch.Tensor, pos: torch.Tensor) -> None:
     """The argument contract of compress_pool, shared by every backend (one-line errors)."""
     if ratio <= 0:
-        raise ValueError(f"compress_pool: ratio must be positive, got {ratio}")
-    S, B, W = kv.shape
+        raise LayoutError(f"compress_pool: ratio must be positive, got {ratio}")
+    if kv.dim() != 2:
+        raise LayoutError(f"compress_pool: kv must be [T, coff*D], got {tuple(kv.shape)}")
+    T, W = kv.shape
     if gate.shape != kv.shape:
-        raise ValueError(f"compress_pool: gate shape {tuple(gate.shape)} != kv shape {tuple(kv.shape)}")
+        raise LayoutError(f"compress_pool: gate shape {tuple(gate.shape)} != kv shape {tuple(kv.shape)}")
     if tuple(ape.shape) != (ratio, W):
-        raise ValueError(f"compress_pool: ape shape {tuple(ape.shape)} != (ratio, coff*D) = {(ratio, W)}")
+        raise LayoutError(f"compress_pool: ape shape {tuple(ape.shape)} != (ratio, coff*D) = {(ratio, W)}")
     if overlap and W % 2:
-        raise ValueError(f"compress_pool: overlap needs an even channel count, got {W}")
+        raise LayoutError(f"compress_pool: overlap needs an even channel count, got {W}")
+    if tuple(seg.shape) != (T,) or tuple(pos.shape) != (T,):
+        raise LayoutError(f"compress_pool: seg / pos must be [T] = [{T}], got {tuple(seg.shape)} / {tuple(pos.shape)}")
 
 
-def compress_pool(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
-    """kv, gate [S,B,coff*D]; ape [m, coff*D] -> pooled entries [S//m, B, D] (coff = 2 if overlap else 1)."""
-    check_args(kv, gate, ape, ratio, overlap)
-    S, B, W = kv.shape
-    D = W // 2 if overlap else W
-    n = S // ratio
-    if n == 0:
-        return kv.new_zeros(0, B, D)
+def pool_rows(seg, pos, ends, valid, j, ratio: int, overlap: bool):
+    """Token rows [N, m] of the current window and, with overlap, of the previous one (clamped; `has_prev` [N]),
+    after checking (CPU tensors) that every valid entry's rows are inside the stream and its document (a CP halo
+    must be long enough)."""
     m = ratio
-    dt = torch.promote_types(kv.dtype, torch.float32)                    # fp32 (fp64 stays fp64, for gradcheck)
-    c = kv[: n * m].reshape(n, m, B, W)                                  # [n, m, B, coff*D]
-    z = gate[: n * m].reshape(n, m, B, W).to(dt) + ape.to(dt)[None, :, None, :]   # fp32 logits
-    if overlap:
-        prev_c, cur_c = c[..., :D], c[..., D:]                            # [n, m, B, D] each
-        prev_z, cur_z = z[..., :D], z[..., D:]
-        # slots 0..m-1 of entry w come from window w-1 (entry 0: value 0, logit -inf -> weight 0)
-        pad_c = torch.zeros_like(prev_c[:1])
-        pad_z = torch.full_like(prev_z[:1], float("-inf"))
-        prev_c = torch.cat([pad_c, prev_c[:-1]], dim=0)                  # [n, m, B, D]
-        prev_z = torch.cat([pad_z, prev_z[:-1]], dim=0)
-        c = torch.cat([prev_c, cur_c], dim=1)                             # [n, 2m, B, D]
-        z = torch.cat([prev_z, cur_z], dim=1)
-    alpha = torch.softmax(z, dim=1)                                       # over the slots, per channel
-    out = (c.to(dt) * alpha).sum(dim=1)                                  # [n, B, D] fp32
-    return out.to(kv.dtype)
+    cur = ends[:, None] - (m - 1) + torch.arange(m, device=ends.device)           # [N, m]
+    need = torch.where(j > 0, 2 * m, m) if overlap else torch.full_like(j, m)
+    first_row = ends - need + 1
+    bad = valid & ((first_row < 0) | (seg[first_row.clamp(min=0)] != seg[ends]))
+    # a data-dependent check (a host sync): made on CPU tensors (the tests, CI) only, never on an accelerator or
+    # under torch.compile; the halo length itself is static (model/attention.attention_halo)
+    if seg.device.type == "cpu" and not torch.compiler.is_compiling() and bool(bad.any()):
+        raise LayoutError(f"kv: a compression window starts before the stream (halo shorter than "
+                          f"{(2 if overlap else 1) * m - 1})")
+    return cur.clamp(min=0), (cur - m).clamp(min=0), j > 0
+
+
+def compress_pool(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool,
+                  seg: torch.Tensor, pos: torch.Tensor, first: int = 0):
+    """kv, gate [T, coff*D]; ape [m, coff*D]; seg / pos [T] -> (pooled [N, D], entry_seg [N], entry_j [N],
+    ends [N]) in N = ceil((T - first) / m) static slots (coff = 2 if overlap else 1; empty slots: seg -1, 0)."""
+    check_args(kv, gate, ape, ratio, overlap, seg, pos)
+    m = ratio
+    W = kv.shape[1]
+    D = W // 2 if overlap else W
+    ends, valid, j = entry_slots(seg, pos, m, first)
+    cur, prev, has_prev = pool_rows(seg, pos, ends, valid, j, m, overlap)
+    dt = torch.promote_types(kv.dtype, torch.float32)                            # fp32 (fp64 stays fp64)
+    zc = gate[cur].to(dt) + ape.to(dt)[None]                                     # [N, m, coff*D]
+    vc = kv[cur]
+    if not overlap:
+        logits, vals = zc, vc                                                    # [N, m, D]
+    else:
+        hp = has_prev[:, None, None]
+        zp = torch.where(hp, gate[prev][..., :D].to(dt) + ape.to(dt)[None, :, :D],
+                         torch.full((), float("-inf"), dtype=dt, device=kv.device))     # empty -> weight 0
+        vp = torch.where(hp, kv[prev][..., :D], torch.zeros((), dtype=kv.dtype, device=kv.device))
+        logits = torch.cat([zp, zc[..., D:]], dim=1)                             # [N, 2m, D] slots
+        vals = torch.cat([vp, vc[..., D:]], dim=1)
+    alpha = torch.softmax(logits, dim=1)                                         # per channel over slots
+    comp = (alpha * vals.to(dt)).sum(1)                                          # [N, D]
+    comp = torch.where(valid[:, None], comp, torch.zeros((), dtype=dt, device=kv.device)).to(kv.dtype)
+    return comp, torch.where(valid, seg[ends], torch.full_like(ends, -1)), j, ends

@@ -4,7 +4,6 @@ backward with a plain ctx record (`FnCtx`), so the numerics are those of the aut
 import torch
 
 from dsv4.kernels._triton_util import FnCtx
-from dsv4.kernels.compressor import naive
 from dsv4.kernels.compressor import triton as T
 
 Tensor = torch.Tensor
@@ -51,7 +50,12 @@ def _backward(ctx, dout):
 compress_pool_fwd.register_autograd(_backward, setup_context=_setup)
 
 
-def compress_pool(kv: Tensor, gate: Tensor, ape: Tensor, ratio: int, overlap: bool) -> Tensor:
-    """kv, gate [S,B,coff*D]; ape [m, coff*D] -> pooled entries [S//m, B, D] (Triton custom op)."""
-    naive.check_args(kv, gate, ape, ratio, overlap)
+def _pool(kv: Tensor, gate: Tensor, ape: Tensor, ratio: int, overlap: bool) -> Tensor:
     return torch.ops.dsv4.compress_pool_fwd(kv, gate, ape, int(ratio), bool(overlap))
+
+
+def compress_pool(kv: Tensor, gate: Tensor, ape: Tensor, ratio: int, overlap: bool, seg: Tensor, pos: Tensor,
+                  first: int = 0):
+    """Packed-stream pooling (the contract of `naive.compress_pool`): the row gather of `triton.compress_pool`
+    around the window kernel as the custom op dsv4::compress_pool_fwd."""
+    return T.compress_pool(kv, gate, ape, ratio, overlap, seg, pos, first, pool=_pool)

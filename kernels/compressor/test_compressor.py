@@ -1,6 +1,7 @@
-"""Triton compressor pooling vs the naive reference (spec §6.2/6.3): overlapping (CSA) and non-overlapping
-(HCA) windows, trailing tokens, entry 0's empty slots; forward and gradients of kv, gate, ape."""
-from dsv4.kernels._testing import CUDA, assert_close, assert_rel, use_interpreter
+"""Triton compressor pooling vs the naive reference (spec §6.2/6.3) on packed streams: overlapping (CSA) and
+non-overlapping (HCA) windows, documents of odd lengths with padding (trailing tokens, entry 0's empty previous
+slots in every document), a left halo; forward, entry metadata and gradients of kv, gate, ape."""
+from dsv4.kernels._testing import CUDA, assert_close, assert_rel, packed_meta, use_interpreter
 
 use_interpreter()
 
@@ -11,21 +12,28 @@ pytest.importorskip("triton")
 from dsv4.kernels.compressor import compress_pool  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
-CASES = [(37, 2, 5, 4, True), (37, 2, 7, 8, False), (13, 1, 6, 3, True), (3, 1, 4, 4, True)]
-REAL = [(4096, 1, 512, 4, True), (4096, 1, 128, 4, True), (4096, 1, 512, 128, False)]
+CASES = [([37], None, 0, 5, 4, True), ([37], None, 0, 7, 8, False), ([13], None, 0, 6, 3, True),
+         ([3], None, 0, 4, 4, True), ([9, 14, 2, 11], [1, 0, 3, 2], 0, 5, 4, True),
+         ([9, 20, 17], [0, 3, 0], 0, 7, 8, False), ([6, 13, 9], [0, 1, 0], 5, 5, 3, True)]
+REAL = [([4096], None, 0, 512, 4, True), ([1500, 2596], None, 0, 128, 4, True), ([4096], None, 0, 512, 128, False)]
 
 
-@pytest.mark.parametrize("S,B,D,m,overlap", CASES + (REAL if CUDA else []))
-def test_triton_matches_naive(S, B, D, m, overlap):
+@pytest.mark.parametrize("lens,pads,first,D,m,overlap", CASES + (REAL if CUDA else []))
+def test_triton_matches_naive(lens, pads, first, D, m, overlap):
     gen = torch.Generator(device=DEV).manual_seed(0)
-    dt = torch.bfloat16 if S > 1000 else torch.float32
+    seg, pos = packed_meta(lens, pads, DEV)
+    T = seg.numel()
+    if first:                                      # a halo: the first rows are context (their doc starts before)
+        pos = torch.where(seg == 0, pos + 2 * m, pos)
+    dt = torch.bfloat16 if T > 1000 else torch.float32
     W = 2 * D if overlap else D
-    kv = torch.randn(S, B, W, generator=gen, device=DEV).to(dt).requires_grad_()
-    gate = (2 * torch.randn(S, B, W, generator=gen, device=DEV)).to(dt).requires_grad_()
+    kv = torch.randn(T, W, generator=gen, device=DEV).to(dt).requires_grad_()
+    gate = (2 * torch.randn(T, W, generator=gen, device=DEV)).to(dt).requires_grad_()
     ape = torch.randn(m, W, generator=gen, device=DEV).requires_grad_()
-    y = compress_pool(kv, gate, ape, m, overlap, backend="triton")
-    ref = compress_pool(kv, gate, ape, m, overlap, backend="naive")
+    y, s, j, e = compress_pool(kv, gate, ape, m, overlap, seg, pos, first, backend="triton")
+    ref, s0, j0, e0 = compress_pool(kv, gate, ape, m, overlap, seg, pos, first, backend="naive")
     assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert torch.equal(s, s0) and torch.equal(j, j0) and torch.equal(e, e0)
     if y.numel() == 0:
         return
     dy = torch.randn_like(y)

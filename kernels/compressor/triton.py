@@ -1,7 +1,8 @@
 """Compressor softmax pooling (spec §6.2 HCA, §6.3 CSA) in Triton, forward and backward.
 
-Same contract as `naive.compress_pool`: kv, gate [S,B,coff*D], ape [m, coff*D] -> [S//m, B, D] in kv's dtype,
-softmax in fp32. One program per (entry w, batch b, block of BD channels) holds the slots of its entry as a
+The kernel pools contiguous windows: kv, gate [S,B,coff*D], ape [m, coff*D] -> [S//m, B, D] in kv's dtype,
+softmax in fp32; `compress_pool` (the packed contract of `naive.compress_pool`) gathers each slot's rows into
+such windows first. One program per (entry w, batch b, block of BD channels) holds the slots of its entry as a
 [slots, BD] tile: non-overlapping (HCA) slots are the m tokens of window w; overlapping (CSA) slots are the
 2m consecutive tokens (w-1)m .. (w+1)m-1, the first m read from the first channel half, the last m from the
 second half (entry 0's previous-window slots are empty: weight exactly 0).
@@ -114,7 +115,35 @@ class _CompressPool(torch.autograd.Function):
         return dkv, dgate, dape, None, None
 
 
-def compress_pool(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
-    """kv, gate [S,B,coff*D]; ape [m, coff*D] -> pooled entries [S//m, B, D] (Triton, fused fwd/bwd)."""
-    naive.check_args(kv, gate, ape, ratio, overlap)
-    return _CompressPool.apply(kv, gate, ape, ratio, bool(overlap))
+def compress_pool(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool,
+                  seg: torch.Tensor, pos: torch.Tensor, first: int = 0, pool=None):
+    """Packed-stream pooling (same contract as `naive.compress_pool`) on the Triton window kernel.
+
+    The rows each slot pools are gathered into a stream of contiguous windows (the gather is PyTorch): HCA
+    slot s -> window s; CSA slot s -> windows 2s (previous rows) and 2s+1 (current rows), so the kernel's entry
+    2s+1 is slot s (even entries are computed and dropped: 2x the pooling work of a direct kernel). A slot
+    with j = 0 has no previous window: its previous rows' gate logits are -inf (weight exactly 0)."""
+    naive.check_args(kv, gate, ape, ratio, overlap, seg, pos)
+    pool = pool or _CompressPool.apply          # op.py passes the custom op dsv4::compress_pool_fwd (same kernel)
+    m = ratio
+    W = kv.shape[1]
+    D = W // 2 if overlap else W
+    ends, valid, j = naive.entry_slots(seg, pos, m, first)
+    cur, prev, has_prev = naive.pool_rows(seg, pos, ends, valid, j, m, overlap)
+    N = ends.shape[0]
+    if N == 0:
+        return kv.new_zeros(0, D), ends.clone(), j, ends
+    if overlap:
+        rows = torch.stack([prev, cur], dim=1).reshape(-1)                       # [N*2m] windows 2s, 2s+1
+        g = gate[rows].view(N, 2, m, W)
+        first_half = torch.zeros(1, 1, 1, W, dtype=torch.bool, device=kv.device)
+        first_half[..., :D] = True
+        no_prev = (~has_prev).view(N, 1, 1, 1) & first_half & \
+            (torch.arange(2, device=kv.device) == 0).view(1, 2, 1, 1)
+        g = torch.where(no_prev, torch.full((), float("-inf"), dtype=g.dtype, device=g.device), g)
+        out = pool(kv[rows].view(-1, 1, W), g.view(-1, 1, W), ape, m, True)[1::2, 0]   # [N, D]
+    else:
+        rows = cur.reshape(-1)
+        out = pool(kv[rows].view(-1, 1, W), gate[rows].view(-1, 1, W), ape, m, False)[:, 0]
+    out = torch.where(valid[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out, torch.where(valid, seg[ends], torch.full_like(ends, -1)), j, ends

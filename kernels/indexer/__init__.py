@@ -4,11 +4,11 @@ from __future__ import annotations
 from dsv4.kernels import get_op
 
 
-def indexer_scores(qI, kI, w, ratio: int, backend: str = "naive"):
-    """qI [S,B,nI,cI], kI [T,B,cI], w [S,B,nI] -> I [S,B,T] fp32. See `naive.indexer_scores`."""
-    return get_op("indexer_scores", backend, qI.device)(qI, kI, w, ratio)
+def indexer_scores(qI, kI, w, ratio: int, seg_q, pos_q, entry_seg, entry_j, backend: str = "naive"):
+    """qI [Tq,nI,cI], kI [N,cI], w [Tq,nI] + document metadata -> I [Tq,N] fp32. See `naive.indexer_scores`."""
+    return get_op("indexer_scores", backend, qI.device)(qI, kI, w, ratio, seg_q, pos_q, entry_seg, entry_j)
 
 
 def indexer_topk(I, k: int, backend: str = "naive"):
-    """I [S,B,T] -> idx [S,B,min(k,T)] long, -1 = not causal; ties -> lower index first."""
+    """I [Tq,N] -> idx [Tq,min(k,N)] long, -1 = not visible; ties -> lower index first."""
     return get_op("indexer_topk", backend, I.device)(I, k)

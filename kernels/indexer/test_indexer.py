@@ -1,7 +1,7 @@
-"""Triton indexer scoring / top-k vs the naive reference (spec §7.2): scores (incl. the -inf causal mask),
-gradients of qI, kI, w; top-k indices EXACTLY equal (ties -> lower index first, -1 for non-causal picks);
-the chunked `indexer_select` equals top-k of the full scores."""
-from dsv4.kernels._testing import CUDA, assert_close, assert_rel, use_interpreter
+"""Triton indexer scoring / top-k vs the naive reference (spec §7.2) on packed streams: scores (incl. the -inf
+mask of other documents and not-yet-complete entries), gradients of qI, kI, w; top-k indices EXACTLY equal (ties
+-> lower index first, -1 for not visible picks); the chunked `indexer_select` equals top-k of the full scores."""
+from dsv4.kernels._testing import CUDA, assert_close, assert_rel, packed_meta, use_interpreter
 
 use_interpreter()
 
@@ -9,28 +9,35 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+from dsv4.kernels.compressor.naive import entry_slots  # noqa: E402
 from dsv4.kernels.indexer import indexer_scores, indexer_topk  # noqa: E402
 from dsv4.kernels.indexer import triton as tri  # noqa: E402
+from dsv4.kernels.indexer.naive import causal_entry_mask  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
-CASES = [(13, 2, 3, 20, 4), (37, 1, 2, 16, 3)]
-REAL = [(2048, 1, 64, 128, 4)]
+CASES = [([13], None, 3, 20, 4), ([37], None, 2, 16, 3), ([9, 21, 3, 14], [1, 0, 2, 3], 3, 20, 4),
+         ([40, 1, 23], [3, 0, 0], 2, 16, 3)]
+REAL = [([2048], None, 64, 128, 4), ([700, 1348], None, 64, 128, 4)]
 
 
-def _inputs(S, B, nI, cI, ratio, dt, seed=0):
+def _inputs(lens, pads, nI, cI, ratio, dt, seed=0):
     gen = torch.Generator(device=DEV).manual_seed(seed)
-    q = torch.randn(S, B, nI, cI, generator=gen, device=DEV).to(dt).requires_grad_()
-    k = torch.randn(S // ratio, B, cI, generator=gen, device=DEV).to(dt).requires_grad_()
-    w = torch.randn(S, B, nI, generator=gen, device=DEV).to(dt).requires_grad_()
-    return q, k, w
+    seg, pos = packed_meta(lens, pads, DEV)
+    T = seg.numel()
+    ends, valid, ej = entry_slots(seg, pos, ratio)
+    eseg = torch.where(valid, seg[ends], torch.full_like(ends, -1))
+    q = torch.randn(T, nI, cI, generator=gen, device=DEV).to(dt).requires_grad_()
+    k = torch.randn(ends.numel(), cI, generator=gen, device=DEV).to(dt).requires_grad_()
+    w = torch.randn(T, nI, generator=gen, device=DEV).to(dt).requires_grad_()
+    return q, k, w, (seg, pos, eseg, ej)
 
 
-@pytest.mark.parametrize("S,B,nI,cI,ratio", CASES + (REAL if CUDA else []))
-def test_scores_match_naive(S, B, nI, cI, ratio):
-    dt = torch.bfloat16 if S > 1000 else torch.float32
-    q, k, w = _inputs(S, B, nI, cI, ratio, dt)
-    I = indexer_scores(q, k, w, ratio, backend="triton")
-    ref = indexer_scores(q, k, w, ratio, backend="naive")
+@pytest.mark.parametrize("lens,pads,nI,cI,ratio", CASES + (REAL if CUDA else []))
+def test_scores_match_naive(lens, pads, nI, cI, ratio):
+    dt = torch.bfloat16 if sum(lens) > 1000 else torch.float32
+    q, k, w, meta = _inputs(lens, pads, nI, cI, ratio, dt)
+    I = indexer_scores(q, k, w, ratio, *meta, backend="triton")
+    ref = indexer_scores(q, k, w, ratio, *meta, backend="naive")
     fin = torch.isfinite(ref)
     assert torch.equal(fin, torch.isfinite(I)) and (I[~fin] == float("-inf")).all()
     dI = torch.randn_like(I)
@@ -49,39 +56,28 @@ def test_scores_match_naive(S, B, nI, cI, ratio):
 def _topk_oracle(I: torch.Tensor, k: int) -> torch.Tensor:
     """Independent of torch.sort / topk: per row, k times pick the max of the remaining entries, scanning indices
     upwards and replacing only on a strictly larger score (so equal scores, -0.0 == +0.0 included, go to the lower
-    index first); a pick whose score is -inf (not causal) is -1."""
-    S, B, T = I.shape
-    kk = min(k, T)
-    out = torch.empty(S, B, kk, dtype=torch.long)
-    rows = I.detach().cpu().tolist()
-    for s in range(S):
-        for b in range(B):
-            row, left = rows[s][b], list(range(T))
-            for j in range(kk):
-                best = left[0]
-                for t in left[1:]:
-                    if row[t] > row[best]:
-                        best = t
-                left.remove(best)
-                out[s, b, j] = -1 if row[best] == float("-inf") else best
+    index first); a pick whose score is -inf (not visible) is -1."""
+    Tq, N = I.shape
+    kk = min(k, N)
+    out = torch.empty(Tq, kk, dtype=torch.long)
+    for s, row in enumerate(I.detach().cpu().tolist()):
+        left = list(range(N))
+        for j in range(kk):
+            best = left[0]
+            for t in left[1:]:
+                if row[t] > row[best]:
+                    best = t
+            left.remove(best)
+            out[s, j] = -1 if row[best] == float("-inf") else best
     return out
-
-
-def _tied_scores(S, B, T, ratio, seed=2):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    I = torch.randint(-3, 3, (S, B, T), generator=gen, device=DEV).float()      # many exact ties
-    I[0, 0, :4] = -0.0                                                         # -0.0 ties with +0.0
-    I[5, 1, 1:] = 0.0                                                          # a row of equal causal scores
-    t = torch.arange(S, device=DEV)
-    return I.masked_fill(~(torch.arange(T, device=DEV)[None, :] < ((t + 1) // ratio)[:, None])[:, None], float("-inf"))
 
 
 def test_topk_oracle_is_sharp():
     """The oracle itself: a hand-made row, and it disagrees with an unstable (higher-index-first) tie order."""
-    I = torch.tensor([[[1.0, 3.0, 3.0, -0.0, 0.0, float("-inf")]]])
-    assert _topk_oracle(I, 6).tolist() == [[[1, 2, 0, 3, 4, -1]]]
-    T = I.shape[-1]
-    flipped = T - 1 - torch.sort(I.flip(-1), dim=-1, descending=True, stable=True).indices   # ties: higher first
+    I = torch.tensor([[1.0, 3.0, 3.0, -0.0, 0.0, float("-inf")]])
+    assert _topk_oracle(I, 6).tolist() == [[1, 2, 0, 3, 4, -1]]
+    N = I.shape[-1]
+    flipped = N - 1 - torch.sort(I.flip(-1), dim=-1, descending=True, stable=True).indices   # ties: higher first
     assert not torch.equal(torch.where(torch.isneginf(I.sort(-1, descending=True).values), -1, flipped),
                            _topk_oracle(I, 6))
 
@@ -89,13 +85,21 @@ def test_topk_oracle_is_sharp():
 @pytest.mark.parametrize("backend", ["naive", "triton"])
 @pytest.mark.parametrize("k", [1, 3, 6, 50])
 def test_topk_exact_with_ties(k, backend):
-    I = _tied_scores(37, 2, 9, 4)
+    seg, pos = packed_meta([17, 20], [0, 3], DEV)
+    ratio = 4
+    ends, valid, ej = entry_slots(seg, pos, ratio)
+    eseg = torch.where(valid, seg[ends], torch.full_like(ends, -1))
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    I = torch.randint(-3, 3, (seg.numel(), ends.numel()), generator=gen, device=DEV).float()   # many ties
+    I[5, :4] = -0.0                                                            # -0.0 ties with +0.0
+    I[9, 1:] = 0.0                                                             # a row of equal scores
+    I = I.masked_fill(~causal_entry_mask(seg, pos, eseg, ej, ratio), float("-inf"))
     assert torch.equal(indexer_topk(I, k, backend=backend).cpu(), _topk_oracle(I, k))
 
 
 def test_select_equals_topk_of_scores():
-    q, k, w = _inputs(37, 2, 2, 16, 3, torch.float32, seed=3)
+    q, k, w, meta = _inputs([15, 22], [2, 0], 2, 16, 3, torch.float32, seed=3)
     with torch.no_grad():
-        want = _topk_oracle(indexer_scores(q, k, w, 3, backend="naive"), 5)
-        got = tri.indexer_select(q, k, w, 3, 5, chunk=16)
+        want = _topk_oracle(indexer_scores(q, k, w, 3, *meta, backend="naive"), 5)
+        got = tri.indexer_select(q, k, w, 3, 5, *meta, chunk=16)
     assert torch.equal(got.cpu(), want)

@@ -4,6 +4,9 @@ from __future__ import annotations
 from dsv4.kernels import get_op
 
 
-def sparse_attn(q, kv, comp, comp_idx, sink, window: int, ratio: int, scale: float, backend: str = "naive"):
-    """q [S,B,H,c], kv [S,B,c], comp [T,B,c] | None, comp_idx [S,B,k] | None, sink [H] -> o [S,B,H,c]."""
-    return get_op("sparse_attn", backend, q.device)(q, kv, comp, comp_idx, sink, window, ratio, scale)
+def sparse_attn(q, kv, comp, comp_idx, sink, window: int, ratio: int, scale: float, seg, pos, entry_seg=None,
+                entry_j=None, q_offset: int = 0, backend: str = "naive"):
+    """q [Tq,H,c], kv [Tk,c], comp [N,c] | None, comp_idx [Tq,k] | None, sink [H], seg/pos [Tk], entry_seg /
+    entry_j [N] -> o [Tq,H,c]. See `naive.sparse_attn`."""
+    return get_op("sparse_attn", backend, q.device)(q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos,
+                                                     entry_seg, entry_j, q_offset)

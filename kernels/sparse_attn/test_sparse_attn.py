@@ -1,7 +1,8 @@
-"""Triton sparse attention vs the naive reference (spec §5.2-5.3): window-only, CSA (gathered top-k entries,
-with -1 and not-yet-complete picks) and HCA (all causal entries); output and gradients of q, kv, comp, sink.
-CPU: Triton interpreter, tiny odd shapes, fp32. GPU: DSv4 shapes (H=64, c=512, window 128), bf16."""
-from dsv4.kernels._testing import CUDA, assert_close, assert_rel, use_interpreter
+"""Triton sparse attention vs the naive reference (spec §5.2-5.3) on packed streams: window-only, CSA (gathered
+top-k entries, with -1, not-yet-complete and other-document picks) and HCA (every visible entry); one document,
+several documents with padding, and a left halo (q_offset, the CP layout); output and gradients of q, kv, comp,
+sink. CPU: Triton interpreter, tiny odd shapes, fp32. GPU: DSv4 shapes (H=64, c=512, window 128), bf16."""
+from dsv4.kernels._testing import CUDA, assert_close, assert_rel, packed_meta, use_interpreter
 
 use_interpreter()
 
@@ -9,39 +10,50 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+from dsv4.kernels.compressor.naive import entry_slots  # noqa: E402
 from dsv4.kernels.sparse_attn import sparse_attn  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
-TINY = dict(S=13, B=2, H=3, c=24, window=5, dtype=torch.float32)
-REAL = dict(S=1024, B=1, H=64, c=512, window=128, dtype=torch.bfloat16)
+LAYOUTS = {"one_doc": ([13], None, 0), "packed": ([5, 11, 2, 9], [2, 0, 3, 1], 0), "halo": ([7, 12, 6], [0, 1, 0], 4)}
+TINY = dict(H=3, c=24, window=5, dtype=torch.float32)
+REAL = dict(H=64, c=512, window=128, dtype=torch.bfloat16)
 
 
-def _case(mode, S, B, H, c, window, dtype, ratio, k, seed=0):
+def _case(mode, lens, pads, q_off, H, c, window, dtype, ratio, k, seed=0):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen, device=DEV)
-    q, kv, sink = rnd(S, B, H, c).to(dtype), rnd(S, B, c).to(dtype), rnd(H)
-    comp = idx = None
+    seg, pos = packed_meta(lens, pads, DEV)
+    Tk = seg.numel()
+    Tq = Tk - q_off
+    q, kv, sink = rnd(Tq, H, c).to(dtype), rnd(Tk, c).to(dtype), rnd(H)
+    comp = idx = eseg = ej = None
     if mode != "window":
-        comp = rnd(S // ratio, B, c).to(dtype)
-    if mode == "csa":                              # unique picks per row, some -1, some not yet complete
-        T = S // ratio
-        scores = torch.rand(S, B, T, generator=gen, device=DEV)
-        idx = scores.topk(min(k, T), dim=-1).indices
+        ends, valid, ej = entry_slots(seg, pos, ratio, q_off)
+        eseg = torch.where(valid, seg[ends], torch.full_like(ends, -1))
+        comp = rnd(ends.numel(), c).to(dtype)
+    if mode == "csa":                              # unique picks per row, some -1, some not visible
+        N = comp.shape[0]
+        scores = torch.rand(Tq, N, generator=gen, device=DEV)
+        idx = scores.topk(min(k, N), dim=-1).indices
         drop = torch.rand(idx.shape, generator=gen, device=DEV) < 0.2
         idx = torch.where(drop, torch.full_like(idx, -1), idx)
-    return [x.requires_grad_() if x is not None else None for x in (q, kv, comp)] + [idx, sink.requires_grad_()]
+    ins = [x.requires_grad_() if x is not None else None for x in (q, kv, comp)]
+    return ins + [idx, sink.requires_grad_()], dict(seg=seg, pos=pos, entry_seg=eseg, entry_j=ej, q_offset=q_off)
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("mode,ratio,k", [("window", 4, 0), ("csa", 3, 4), ("hca", 4, 0)])
 @pytest.mark.parametrize("shape", ["tiny"] + (["real"] if CUDA else []))
-def test_triton_matches_naive(shape, mode, ratio, k):
+def test_triton_matches_naive(shape, mode, ratio, k, layout):
     sh = TINY if shape == "tiny" else REAL
+    lens, pads, q_off = LAYOUTS[layout]
     if shape == "real":
         ratio, k = {"window": (4, 0), "csa": (4, 512), "hca": (128, 0)}[mode]
-    q, kv, comp, idx, sink = _case(mode, **sh, ratio=ratio, k=k)
+        lens = [L * 97 for L in lens]
+    (q, kv, comp, idx, sink), meta = _case(mode, lens, pads, q_off, **sh, ratio=ratio, k=k)
     scale = sh["c"] ** -0.5
-    o = sparse_attn(q, kv, comp, idx, sink, sh["window"], ratio, scale, backend="triton")
-    ref = sparse_attn(q, kv, comp, idx, sink, sh["window"], ratio, scale, backend="naive")
+    o = sparse_attn(q, kv, comp, idx, sink, sh["window"], ratio, scale, **meta, backend="triton")
+    ref = sparse_attn(q, kv, comp, idx, sink, sh["window"], ratio, scale, **meta, backend="naive")
     do = torch.randn_like(o)
     ins = [x for x in (q, kv, comp, sink) if x is not None]
     names = [n for n, x in zip(("dq", "dkv", "dcomp", "dsink"), (q, kv, comp, sink)) if x is not None]
@@ -60,9 +72,10 @@ def test_triton_matches_naive(shape, mode, ratio, k):
 
 
 def test_no_key_but_sink_is_defined():
-    """Query 0 of an HCA layer sees one window key and no entry; the sink alone must not give NaN."""
-    q, kv, comp, idx, sink = _case("hca", S=3, B=1, H=2, c=16, window=1, dtype=torch.float32, ratio=4, k=0)
-    o = sparse_attn(q, kv, comp, idx, sink, 1, 4, 0.25, backend="triton")
-    assert torch.isfinite(o).all()
+    """Query 0 of an HCA layer sees one window key and no entry; the sink alone must not give NaN; padding
+    queries see only the sink (output 0)."""
+    (q, kv, comp, idx, sink), meta = _case("hca", [3], [2], 0, H=2, c=16, window=1, dtype=torch.float32, ratio=4, k=0)
+    o = sparse_attn(q, kv, comp, idx, sink, 1, 4, 0.25, **meta, backend="triton")
+    assert torch.isfinite(o).all() and o[3:].abs().max() == 0
     # measured 2.4e-7 (11 hosts), 1/150 of the bound
-    assert_close("o", o, sparse_attn(q, kv, comp, idx, sink, 1, 4, 0.25, backend="naive"), 2e-5, 1e-5)
+    assert_close("o", o, sparse_attn(q, kv, comp, idx, sink, 1, 4, 0.25, **meta, backend="naive"), 2e-5, 1e-5)

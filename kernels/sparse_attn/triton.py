@@ -1,14 +1,16 @@
 """Sparse attention (window + CSA-selected / HCA-causal compressed entries + sink) in Triton, fwd and bwd.
 
-Same contract as `naive.sparse_attn` (spec §5.2, §5.3): for query t and head h, ONE softmax over
-  * the window keys  {s : t - window < s <= t}                 (rows of `kv`),
-  * the compressed entries: comp_idx given -> those listed (-1 = none, listed but not yet complete
-                            entries j >= floor((t+1)/ratio) ignored; entries must be listed at most once),
-                            comp_idx None and comp given -> all j < floor((t+1)/ratio),
+Same contract as `naive.sparse_attn` (spec §5.2, §5.3), packed stream with document metadata: query t is key
+row u = q_offset + t; for query t and head h, ONE softmax over
+  * the window keys  {s : u - window < s <= u, same document as u}        (rows of `kv`),
+  * the compressed entries: comp_idx given -> those listed (-1 = none; listed but not visible entries --
+                            other document, not yet complete -- ignored; entries must be listed at most once),
+                            comp_idx None and comp given -> every visible entry (one index range of the
+                            entry slots per query, kernels/_varlen.py),
   * the sink logit sink[h] (no value).
 K = V (MQA: all H heads share one kv head of width c).
 
-Schedule (flash-attention style, MQA): one program per (query t, batch b, block of BH heads). The BH heads of
+Schedule (flash-attention style, MQA): one program per (query t, block of BH heads). The BH heads of
 one query are the M dimension of the tensor-core tiles; keys stream in tiles of BN rows (window rows are
 contiguous, CSA rows are gathered by index, HCA rows are contiguous), online softmax in the exp2 domain,
 seeded with the sink (running max = sink, running sum = 1), so a query with no key is well defined.
@@ -27,6 +29,9 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels._triton_util import configs, pow2
+from dsv4.kernels._varlen import entry_ranges
+
+from . import naive
 
 LOG2E = 1.4426950408889634
 MODE_NONE, MODE_IDX, MODE_ALL = 0, 1, 2
@@ -56,52 +61,69 @@ def _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
     return m_new, l_i, acc
 
 
+@triton.jit
+def _window_valid(SEG, POS, offs_n, u, seg_u, pos_u, window):
+    """Window keys of key row u: rows <= u of u's document within `window` positions."""
+    inb = (offs_n <= u) & (offs_n >= 0)
+    sk = tl.load(SEG + offs_n, mask=inb, other=-2)
+    pk = tl.load(POS + offs_n, mask=inb, other=0)
+    return inb & (sk == seg_u) & (sk >= 0) & (pk <= pos_u) & (pk > pos_u - window)
+
+
+@triton.jit
+def _entry_valid(ESEG, EJ, idx, live, seg_u, pos_u, ratio):
+    """Entries `idx` (where `live`) visible to a query of document seg_u at position pos_u."""
+    es = tl.load(ESEG + idx, mask=live, other=-2)
+    ej = tl.load(EJ + idx, mask=live, other=0)
+    return live & (es == seg_u) & (es >= 0) & (ej < (pos_u + 1) // ratio)
+
+
 @triton.autotune(**_FWD_CONFIGS, key=["H", "BD", "MODE"])
 @triton.jit
-def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE,
-                     sq_s, sq_b, sq_h, skv_s, skv_b, sc_s, sc_b, si_s, si_b, so_s, so_b, so_h, sl_s, sl_b,
-                     H, NSEL, window, ratio, qk_scale,
+def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EHI,
+                     sq_s, sq_h, skv_s, sc_s, si_s, so_s, so_h, sl_s,
+                     H, NSEL, window, ratio, qk_scale, q_off,
                      C: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
                      BN: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
-    offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, BD)
     hmask = offs_h < H
     dmask = offs_d < C
-    q = tl.load(Q + t * sq_s + b * sq_b + offs_h[:, None] * sq_h + offs_d[None, :],
+    u = t + q_off
+    seg_u = tl.load(SEG + u)
+    pos_u = tl.load(POS + u)
+    q = tl.load(Q + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :],
                 mask=hmask[:, None] & dmask[None, :], other=0.0)
     m_i = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
     l_i = tl.full([BH], 1.0, tl.float32)                        # the sink's exp(z - m) = 1
     acc = tl.zeros([BH, BD], tl.float32)
-    # window keys t-window < s <= t
-    lo = tl.maximum(t - window + 1, 0)
-    for start in range(lo, t + 1, BN):
+    lo = tl.maximum(u - window + 1, 0)
+    for start in range(lo, u + 1, BN):                          # window keys u-window < s <= u
         offs_n = start + tl.arange(0, BN)
-        valid = offs_n <= t
-        k = tl.load(KV + offs_n[:, None] * skv_s + b * skv_b + offs_d[None, :],
-                    mask=valid[:, None] & dmask[None, :], other=0.0)
+        valid = _window_valid(SEG, POS, offs_n, u, seg_u, pos_u, window)
+        k = tl.load(KV + offs_n[:, None] * skv_s + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
         m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
     if MODE == 1:                                               # CSA: gathered top-k entries
         for start in range(0, NSEL, BN):
             offs_n = start + tl.arange(0, BN)
-            idx = tl.load(IDX + t * si_s + b * si_b + offs_n, mask=offs_n < NSEL, other=-1)
-            valid = (idx >= 0) & (idx < (t + 1) // ratio)       # -1 and not-yet-complete entries: none
-            k = tl.load(COMP + idx[:, None] * sc_s + b * sc_b + offs_d[None, :],
-                        mask=valid[:, None] & dmask[None, :], other=0.0)
+            idx = tl.load(IDX + t * si_s + offs_n, mask=offs_n < NSEL, other=-1)
+            valid = _entry_valid(ESEG, EJ, idx, idx >= 0, seg_u, pos_u, ratio)
+            k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
             m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
-    if MODE == 2:                                               # HCA: all complete entries j < (t+1)//ratio
-        nvis = (t + 1) // ratio
-        for start in range(0, nvis, BN):
+    if MODE == 2:                                               # HCA: every visible entry, one slot range
+        e_lo = tl.load(ELO + t)
+        e_hi = tl.load(EHI + t)
+        for start in range(e_lo, e_hi, BN):
             offs_n = start + tl.arange(0, BN)
-            valid = offs_n < nvis
-            k = tl.load(COMP + offs_n[:, None] * sc_s + b * sc_b + offs_d[None, :],
-                        mask=valid[:, None] & dmask[None, :], other=0.0)
+            valid = _entry_valid(ESEG, EJ, offs_n, offs_n < e_hi, seg_u, pos_u, ratio)
+            k = tl.load(COMP + offs_n[:, None] * sc_s + offs_d[None, :], mask=valid[:, None] & dmask[None, :],
+                        other=0.0)
             m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
     o = acc / l_i[:, None]
-    tl.store(O + t * so_s + b * so_b + offs_h[:, None] * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
+    tl.store(O + t * so_s + offs_h[:, None] * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
              mask=hmask[:, None] & dmask[None, :])
-    tl.store(LSE + t * sl_s + b * sl_b + offs_h, m_i + tl.log2(l_i), mask=hmask)
+    tl.store(LSE + t * sl_s + offs_h, m_i + tl.log2(l_i), mask=hmask)
 
 
 # ---------------------------------------------------------------------------------------------- backward
@@ -122,70 +144,67 @@ def _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC: tl.constex
 
 
 @triton.jit
-def _dk_add(DK, rows, b, s_row, s_b, offs_d, valid, dmask, dk, DKT: tl.constexpr):
+def _dk_add(DK, rows, s_row, offs_d, valid, dmask, dk, DKT: tl.constexpr):
     """Atomic fp32 add of a key tile's dKV (rows = key indices) in either orientation."""
     if DKT:
-        tl.atomic_add(DK + rows[None, :] * s_row + b * s_b + offs_d[:, None], dk,
+        tl.atomic_add(DK + rows[None, :] * s_row + offs_d[:, None], dk,
                       mask=valid[None, :] & dmask[:, None], sem="relaxed")
     else:
-        tl.atomic_add(DK + rows[:, None] * s_row + b * s_b + offs_d[None, :], dk,
+        tl.atomic_add(DK + rows[:, None] * s_row + offs_d[None, :], dk,
                       mask=valid[:, None] & dmask[None, :], sem="relaxed")
 
 
 @triton.autotune(**_BWD_CONFIGS, key=["H", "BD", "MODE"], reset_to_zero=["DKV", "DCOMP"])
 @triton.jit
-def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA,
-                     sq_s, sq_b, sq_h, skv_s, skv_b, sc_s, sc_b, si_s, si_b, so_s, so_b, so_h, sl_s, sl_b,
-                     H, NSEL, window, ratio, qk_scale, scale,
+def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, POS, ESEG, EJ, ELO, EHI,
+                     sq_s, sq_h, skv_s, sc_s, si_s, so_s, so_h, sl_s,
+                     H, NSEL, window, ratio, qk_scale, scale, q_off,
                      C: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
                      BN: tl.constexpr, DKT: tl.constexpr):
     # Q/DQ/O/DO share strides (sq_*, so_*: q and dq; o and do), KV/DKV share skv_*, COMP/DCOMP share sc_*
     t = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
-    offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, BD)
     hmask = offs_h < H
     dmask = offs_d < C
     hd = hmask[:, None] & dmask[None, :]
-    q = tl.load(Q + t * sq_s + b * sq_b + offs_h[:, None] * sq_h + offs_d[None, :], mask=hd, other=0.0)
-    o_off = t * so_s + b * so_b + offs_h[:, None] * so_h + offs_d[None, :]
+    u = t + q_off
+    seg_u = tl.load(SEG + u)
+    pos_u = tl.load(POS + u)
+    q = tl.load(Q + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :], mask=hd, other=0.0)
+    o_off = t * so_s + offs_h[:, None] * so_h + offs_d[None, :]
     do = tl.load(DO + o_off, mask=hd, other=0.0)
     o = tl.load(O + o_off, mask=hd, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)     # [BH] rowsum(dO ∘ O)
-    lse = tl.load(LSE + t * sl_s + b * sl_b + offs_h, mask=hmask, other=0.0)
-    tl.store(DELTA + t * sl_s + b * sl_b + offs_h, delta, mask=hmask)
+    lse = tl.load(LSE + t * sl_s + offs_h, mask=hmask, other=0.0)
+    tl.store(DELTA + t * sl_s + offs_h, delta, mask=hmask)
     dq = tl.zeros([BH, BD], tl.float32)
-    lo = tl.maximum(t - window + 1, 0)
-    for start in range(lo, t + 1, BN):
+    lo = tl.maximum(u - window + 1, 0)
+    for start in range(lo, u + 1, BN):
         offs_n = start + tl.arange(0, BN)
-        valid = offs_n <= t
-        kmask = valid[:, None] & dmask[None, :]
-        k_off = offs_n[:, None] * skv_s + b * skv_b + offs_d[None, :]
-        k = tl.load(KV + k_off, mask=kmask, other=0.0)
+        valid = _window_valid(SEG, POS, offs_n, u, seg_u, pos_u, window)
+        k = tl.load(KV + offs_n[:, None] * skv_s + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
         dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
-        _dk_add(DKV, offs_n, b, skv_s, skv_b, offs_d, valid, dmask, dk, DKT)
+        _dk_add(DKV, offs_n, skv_s, offs_d, valid, dmask, dk, DKT)
     if MODE == 1:
         for start in range(0, NSEL, BN):
             offs_n = start + tl.arange(0, BN)
-            idx = tl.load(IDX + t * si_s + b * si_b + offs_n, mask=offs_n < NSEL, other=-1)
-            valid = (idx >= 0) & (idx < (t + 1) // ratio)       # -1 and not-yet-complete entries: none
-            kmask = valid[:, None] & dmask[None, :]
-            k_off = idx[:, None] * sc_s + b * sc_b + offs_d[None, :]
-            k = tl.load(COMP + k_off, mask=kmask, other=0.0)
+            idx = tl.load(IDX + t * si_s + offs_n, mask=offs_n < NSEL, other=-1)
+            valid = _entry_valid(ESEG, EJ, idx, idx >= 0, seg_u, pos_u, ratio)
+            k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
             dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
-            _dk_add(DCOMP, idx, b, sc_s, sc_b, offs_d, valid, dmask, dk, DKT)
+            _dk_add(DCOMP, idx, sc_s, offs_d, valid, dmask, dk, DKT)
     if MODE == 2:
-        nvis = (t + 1) // ratio
-        for start in range(0, nvis, BN):
+        e_lo = tl.load(ELO + t)
+        e_hi = tl.load(EHI + t)
+        for start in range(e_lo, e_hi, BN):
             offs_n = start + tl.arange(0, BN)
-            valid = offs_n < nvis
-            kmask = valid[:, None] & dmask[None, :]
-            k_off = offs_n[:, None] * sc_s + b * sc_b + offs_d[None, :]
-            k = tl.load(COMP + k_off, mask=kmask, other=0.0)
+            valid = _entry_valid(ESEG, EJ, offs_n, offs_n < e_hi, seg_u, pos_u, ratio)
+            k = tl.load(COMP + offs_n[:, None] * sc_s + offs_d[None, :], mask=valid[:, None] & dmask[None, :],
+                        other=0.0)
             dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
-            _dk_add(DCOMP, offs_n, b, sc_s, sc_b, offs_d, valid, dmask, dk, DKT)
-    tl.store(DQ + t * sq_s + b * sq_b + offs_h[:, None] * sq_h + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=hd)
+            _dk_add(DCOMP, offs_n, sc_s, offs_d, valid, dmask, dk, DKT)
+    tl.store(DQ + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=hd)
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -194,71 +213,83 @@ def _prec(x):
     return "ieee" if x.dtype in (torch.float32, torch.float64) else "tf32"
 
 
-def _launch_args(q, kv, comp, comp_idx, window, ratio):
-    S, B, H, C = q.shape
+def prepare(q, kv, comp, comp_idx, ratio, seg, pos, entry_seg, entry_j, q_off):
+    """The launch metadata of one call: (mode, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, elo, ehi), with
+    dummy pointers for what the mode does not read. Shared by `_SparseAttn.forward` and the backward custom op
+    (kernels/sparse_attn/op.py), which rebuilds the saved state from the inputs."""
+    Tq = q.shape[0]
+    ratio = max(int(ratio or 1), 1)
     if comp is None or comp.shape[0] == 0:
         mode, nsel = MODE_NONE, 0
     elif comp_idx is not None:
         mode, nsel = MODE_IDX, comp_idx.shape[-1]
-    elif comp is not None:
-        mode, nsel = MODE_ALL, 0
     else:
-        mode, nsel = MODE_NONE, 0
-    return S, B, H, C, mode, nsel
+        mode, nsel = MODE_ALL, 0
+    dummy = torch.zeros(1, dtype=torch.long, device=q.device)
+    comp_t = comp.contiguous() if mode != MODE_NONE else kv.contiguous()  # dummy pointer when unused
+    idx_t = comp_idx.contiguous() if mode == MODE_IDX else dummy.view(1, 1)
+    seg, pos = seg.contiguous(), pos.contiguous()
+    eseg = entry_seg.contiguous() if mode != MODE_NONE else dummy
+    ej = entry_j.contiguous() if mode != MODE_NONE else dummy
+    if mode == MODE_ALL:
+        elo, ehi = entry_ranges(seg[q_off:q_off + Tq], pos[q_off:q_off + Tq], eseg, ej, ratio)
+    else:
+        elo = ehi = dummy.to(torch.int32)
+    return mode, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, elo, ehi
 
 
 class _SparseAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, comp, comp_idx, sink, window, ratio, scale):
+    def forward(ctx, q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_off):
         q, kv = q.contiguous(), kv.contiguous()
-        S, B, H, C, mode, nsel = _launch_args(q, kv, comp, comp_idx, window, ratio)
-        comp_t = comp.contiguous() if mode != MODE_NONE else kv           # dummy pointer when unused
-        idx_t = comp_idx.contiguous() if mode == MODE_IDX else torch.zeros(1, 1, 1, dtype=torch.long,
-                                                                              device=q.device)
+        Tq, H, C = q.shape
+        mode, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, elo, ehi = prepare(
+            q, kv, comp, comp_idx, ratio, seg, pos, entry_seg, entry_j, q_off)
         o = torch.empty_like(q)
-        lse = torch.empty(S, B, H, device=q.device, dtype=torch.float32)
-        grid = lambda meta: (S, B, triton.cdiv(H, meta["BH"]))
+        lse = torch.empty(Tq, H, device=q.device, dtype=torch.float32)
+        grid = lambda meta: (Tq, triton.cdiv(H, meta["BH"]))
         _sparse_attn_fwd[grid](
-            q, kv, comp_t, idx_t, sink.contiguous(), o, lse,
-            q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), comp_t.stride(0), comp_t.stride(1),
-            idx_t.stride(0), idx_t.stride(1), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-            H, nsel, int(window), max(int(ratio or 1), 1), float(scale) * LOG2E, C=C, MODE=mode, PREC=_prec(q), BD=pow2(C))
-        ctx.save_for_backward(q, kv, comp_t, idx_t, sink, o, lse)
-        ctx.cfg = (mode, nsel, int(window), max(int(ratio or 1), 1), float(scale), mode != MODE_NONE)
+            q, kv, comp_t, idx_t, sink.contiguous(), o, lse, seg, pos, eseg, ej, elo, ehi,
+            q.stride(0), q.stride(1), kv.stride(0), comp_t.stride(0), idx_t.stride(0), o.stride(0), o.stride(1),
+            lse.stride(0), H, nsel, int(window), ratio, float(scale) * LOG2E, int(q_off),
+            C=C, MODE=mode, PREC=_prec(q), BD=pow2(C))
+        ctx.save_for_backward(q, kv, comp_t, idx_t, sink, o, lse, seg, pos, eseg, ej, elo, ehi)
+        ctx.cfg = (mode, nsel, int(window), ratio, float(scale), int(q_off))
         ctx.comp_none = comp is None
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, kv, comp_t, idx_t, sink, o, lse = ctx.saved_tensors
-        mode, nsel, window, ratio, scale, has_comp = ctx.cfg
+        q, kv, comp_t, idx_t, sink, o, lse, seg, pos, eseg, ej, elo, ehi = ctx.saved_tensors
+        mode, nsel, window, ratio, scale, q_off = ctx.cfg
         do = do.contiguous()
-        S, B, H, C = q.shape
+        Tq, H, C = q.shape
         dq = torch.empty_like(q)
         dkv = torch.zeros(kv.shape, device=q.device, dtype=torch.float32)
+        has_comp = mode != MODE_NONE
         dcomp = torch.zeros(comp_t.shape, device=q.device, dtype=torch.float32) if has_comp else dkv
         delta = torch.empty_like(lse)
-        grid = lambda meta: (S, B, triton.cdiv(H, meta["BH"]))
+        grid = lambda meta: (Tq, triton.cdiv(H, meta["BH"]))
         _sparse_attn_bwd[grid](
-            q, kv, comp_t, idx_t, o, do, lse, dq, dkv, dcomp, delta,
-            q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), comp_t.stride(0), comp_t.stride(1),
-            idx_t.stride(0), idx_t.stride(1), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-            H, nsel, window, ratio, scale * LOG2E, scale, C=C, MODE=mode, PREC=_prec(q), BD=pow2(C))
-        # d sink_h = -Σ_{t,b} p_sink(t,b,h) · delta(t,b,h),  p_sink = exp(z_h - lse)   (lse in log2 units)
+            q, kv, comp_t, idx_t, o, do, lse, dq, dkv, dcomp, delta, seg, pos, eseg, ej, elo, ehi,
+            q.stride(0), q.stride(1), kv.stride(0), comp_t.stride(0), idx_t.stride(0), o.stride(0), o.stride(1),
+            lse.stride(0), H, nsel, window, ratio, scale * LOG2E, scale, q_off,
+            C=C, MODE=mode, PREC=_prec(q), BD=pow2(C))
+        # d sink_h = -Σ_t p_sink(t,h) · delta(t,h),  p_sink = exp(z_h - lse)   (lse in log2 units)
         p_sink = torch.exp2(sink.float() * LOG2E - lse)
-        dsink = -(p_sink * delta).sum((0, 1)).to(sink.dtype)
+        dsink = -(p_sink * delta).sum(0).to(sink.dtype)
         dcomp_out = None if ctx.comp_none else (dcomp.to(comp_t.dtype) if has_comp else None)
-        return dq, dkv.to(kv.dtype), dcomp_out, None, dsink, None, None, None
+        return (dq, dkv.to(kv.dtype), dcomp_out, None, dsink) + (None,) * 8
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor | None, comp_idx: torch.Tensor | None,
-                sink: torch.Tensor, window: int, ratio: int, scale: float) -> torch.Tensor:
-    """Triton sparse attention; q [S,B,H,c], kv [S,B,c], comp [T,B,c] | None, comp_idx [S,B,k] | None,
-    sink [H] -> o [S,B,H,c] (same contract as `naive.sparse_attn`)."""
-    if q.dim() != 4 or kv.dim() != 3 or kv.shape[0] != q.shape[0] or kv.shape[-1] != q.shape[-1]:
-        raise ValueError(f"sparse_attn: q {tuple(q.shape)} / kv {tuple(kv.shape)} must be [S,B,H,c] / [S,B,c]")
-    if comp_idx is not None and comp_idx.shape[:2] != q.shape[:2]:
-        raise ValueError(f"sparse_attn: comp_idx {tuple(comp_idx.shape)} must be [S,B,k]")
+                sink: torch.Tensor, window: int, ratio: int, scale: float, seg: torch.Tensor, pos: torch.Tensor,
+                entry_seg: torch.Tensor | None = None, entry_j: torch.Tensor | None = None,
+                q_offset: int = 0) -> torch.Tensor:
+    """Triton sparse attention; same contract as `naive.sparse_attn`: q [Tq,H,c], kv [Tk,c], comp [N,c] | None,
+    comp_idx [Tq,k] | None, sink [H], seg/pos [Tk], entry_seg/entry_j [N] -> o [Tq,H,c]."""
+    naive.check_args(q, kv, comp, comp_idx, sink, window, ratio, seg, pos, entry_seg, entry_j, q_offset)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return _SparseAttn.apply(q, kv, comp, comp_idx, sink, window, ratio, scale)
+    return _SparseAttn.apply(q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j,
+                             int(q_offset))

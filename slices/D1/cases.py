@@ -2,6 +2,7 @@
 import torch
 
 from dsv4.harness.cases import golden_case
+from dsv4.model.losses import AuxLosses
 
 # Tolerances: the cross-host spread stored in goldens/cpu/_spread/D1.json (`dsv4 goldens spread --slice D1`,
 # worst over harness/numerics.py's simulated hosts and the host that made the golden) x the margin named.
@@ -40,9 +41,10 @@ def attention_window_debug():
 def attention_csa_debug():
     """CSA layer (layer 1, m = 4, top-4 of 9 entries), S = 37: output and the selected entries (exact)."""
     attn, h = _layer(1)
+    aux = AuxLosses()
     with torch.no_grad():
-        out = attn(h)
-    return {"out": out, "selected": attn.last_topk}
+        out = attn(h, aux=aux)
+    return {"out": out, "selected": aux.picks(1, (1, 37))}
 
 
 @golden_case("attention_hca_debug", tol={"out": TOL})
@@ -59,4 +61,8 @@ def compress_pool_debug():
     from dsv4.kernels.compressor import compress_pool
     g = torch.Generator().manual_seed(3)
     kv, gate, ape = torch.randn(13, 2, 12, generator=g), torch.randn(13, 2, 12, generator=g), torch.randn(4, 12, generator=g)
-    return {"csa": compress_pool(kv, gate, ape, 4, True), "hca": compress_pool(kv[..., :6], gate[..., :6], ape[:, :6], 4, False)}
+    seg, pos = torch.zeros(13, dtype=torch.long), torch.arange(13)         # each batch column: one document
+
+    def pool(kv, gate, ape, overlap):   # [13, 2, W] -> the golden's [13 // 4, 2, D] (the 3 complete windows)
+        return torch.stack([compress_pool(kv[:, b], gate[:, b], ape, 4, overlap, seg, pos)[0][:3] for b in range(2)], 1)
+    return {"csa": pool(kv, gate, ape, True), "hca": pool(kv[..., :6], gate[..., :6], ape[:, :6], False)}

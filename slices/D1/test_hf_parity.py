@@ -13,7 +13,9 @@ from transformers import DeepseekV4Config  # noqa: E402
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (  # noqa: E402
     DeepseekV4Attention, DeepseekV4RotaryEmbedding)
 
-from dsv4.model.attention import DSv4Attention  # noqa: E402
+from dsv4.model.attention import DSv4Attention
+from dsv4.model.layout import Layout
+from dsv4.model.losses import AuxLosses  # noqa: E402
 from dsv4.model.config import get_config  # noqa: E402
 
 # max abs, fp32, outputs O(1): README's HF parity limit (1e-5); measured worst 9.5e-7 (MKL_CBWR=COMPATIBLE) over the
@@ -103,23 +105,26 @@ def test_indexer_scores_and_topk_match_hf_modulo_ties():
     got = {}
     hf.compressor.indexer.scorer.register_forward_hook(lambda m, a, out: got.__setitem__("I", out))
     hf.compressor.indexer.register_forward_hook(lambda m, a, out: got.__setitem__("idx", out))
+    aux = AuxLosses()
     with torch.no_grad():
         run_hf(hcfg, hf, h, cfg.sliding_window)
-        ours(h)
-    x = h.transpose(0, 1)
+        ours(h, aux=aux)
+    lay = Layout.batch(2, S)                                               # 2 documents of S tokens
+    x = h.reshape(2 * S, -1)
     with torch.no_grad():
         cq = ours.q_norm(ours.wq_a(x))
-        I, sel = ours.indexer(x, cq, torch.arange(S))                      # [S,B,T], [S,B,k]
-    I = I.transpose(0, 1)                                                  # [B,S,T]
+        I, sel, es, ej = ours.indexer(x, cq, (lay.seg, lay.pos, lay.rope_pos, 0), lay)   # [2S, N], [2S, k]
+    I = torch.stack([I[b * S:(b + 1) * S][:, es == b] for b in range(2)])   # [B, S, T]: document b's entries
     causal = torch.isfinite(I)
     err = (I[causal] - got["I"][causal]).abs().max().item()
     # the HF parity limit; measured 8.3e-7 (ATEN default + MKL_CBWR=COMPATIBLE + DNNL SSE41; 11 hosts), x12
     assert err <= 1e-5, f"indexer scores max |ours - HF| = {err:.3g}"
-    assert torch.equal(sel.transpose(0, 1), ours.last_topk)
+    assert torch.equal(sel, aux.selections[1][0])
+    picks = aux.picks(1, (2, S))                                           # entry index j inside the document
     hf_idx = got["idx"]
     for b in range(2):
         for t in range(S):
-            a = sorted(j for j in ours.last_topk[b, t].tolist() if j >= 0)
+            a = sorted(j for j in picks[b, t].tolist() if j >= 0)
             c = sorted(j for j in hf_idx[b, t].tolist() if j >= 0)
             # same selected score multiset (a set may differ only among entries with exactly equal scores); the
             # HF parity limit 1e-5, measured 0 on all 11 hosts

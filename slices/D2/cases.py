@@ -2,6 +2,7 @@
 import torch
 
 from dsv4.harness.cases import golden_case
+from dsv4.model.losses import AuxLosses
 
 
 def _csa(**over):
@@ -28,12 +29,17 @@ def _csa(**over):
 @golden_case("indexer_scores_topk_debug", tol={"scores": (1e-5, 1e-4)})
 def indexer_scores_topk_debug():
     """CSA layer of the debug config, S = 37, B = 2: indexer scores [37, 2, 9] (-inf = future) and top-4."""
+    from dsv4.model.layout import Layout
     attn, h = _csa()
-    x = h.transpose(0, 1)
+    lay = Layout.batch(2, 37)                                          # 2 documents of 37 tokens
+    x = h.reshape(2 * 37, -1)
     with torch.no_grad():
         cq = attn.q_norm(attn.wq_a(x))
-        scores, idx = attn.indexer(x, cq, torch.arange(37))
-    return {"scores": scores.masked_fill(torch.isinf(scores), -1e30), "selected": idx}
+        scores, idx, es, ej = attn.indexer(x, cq, (lay.seg, lay.pos, lay.rope_pos, 0), lay)   # [74, N], [74, k]
+    # back to the per-sequence view [S, B, T] (entry j of sequence b) of the golden
+    scores = torch.stack([scores[b * 37:(b + 1) * 37][:, es == b] for b in range(2)], 1)
+    sel = torch.where(idx >= 0, ej[idx.clamp(min=0)], torch.full_like(idx, -1)).view(2, 37, -1).transpose(0, 1)
+    return {"scores": scores.masked_fill(torch.isinf(scores), -1e30), "selected": sel}
 
 
 @golden_case("indexer_loss_debug", tol={f"{t}_{m}": (0.0, 4e-6) for t in ("joint", "renormalized")
@@ -45,6 +51,7 @@ def indexer_loss_debug():
         for mode in ("sparse", "dense"):
             attn, h = _csa(indexer_teacher=teacher, indexer_loss_mode=mode)
             attn.train()
-            attn(h)
-            out[f"{teacher}_{mode}"] = float(attn.indexer_loss.detach())
+            aux = AuxLosses()
+            attn(h, aux=aux)
+            out[f"{teacher}_{mode}"] = float(aux.indexer[0][0].detach())
     return out

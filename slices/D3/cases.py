@@ -26,7 +26,12 @@ def sparse_attn_triton_csa(device="cpu"):
     q, kv, comp, idx, sink = _inputs(device=device)
     for t in (q, kv, comp, sink):
         t.requires_grad_(True)
-    o = sparse_attn(q, kv, comp, idx, sink, 4, 4, 32 ** -0.5, backend="triton")
+    S, T = q.shape[0], comp.shape[0]                         # one document (B = 1): seg 0, pos 0..S-1
+    dev = q.device
+    meta = (torch.zeros(S, dtype=torch.long, device=dev), torch.arange(S, device=dev),
+            torch.zeros(T, dtype=torch.long, device=dev), torch.arange(T, device=dev))
+    o = sparse_attn(q[:, 0], kv[:, 0], comp[:, 0], idx[:, 0], sink, 4, 4, 32 ** -0.5, *meta, backend="triton")
+    o = o[:, None]                                           # the golden's [S, B=1, H, c]
     w = torch.linspace(-1, 1, o.numel(), device=o.device).view_as(o)
     (o * w).sum().backward()
     return {"o": o.detach().cpu(), "dq": q.grad.cpu(), "dkv": kv.grad.cpu(), "dcomp": comp.grad.cpu(),
@@ -41,6 +46,7 @@ def compress_pool_triton_overlap(device="cpu"):
     kv = torch.randn(13, 1, 16, generator=g).to(device).requires_grad_(True)
     gate = torch.randn(13, 1, 16, generator=g).to(device)
     ape = torch.randn(4, 16, generator=g).to(device)
-    p = compress_pool(kv, gate, ape, 4, True, backend="triton")
+    seg, pos = torch.zeros(13, dtype=torch.long, device=device), torch.arange(13, device=device)
+    p = compress_pool(kv[:, 0], gate[:, 0], ape, 4, True, seg, pos, backend="triton")[0][:3, None]   # [3, 1, 8]
     p.sum().backward()
     return {"pooled": p.detach().cpu(), "dkv": kv.grad.cpu()}

@@ -1,14 +1,16 @@
 """D6: packed THD DSv4 attention (window / CSA / HCA layers) == DSv4Attention on each document alone.
 
-Oracle: the SBHD module `DSv4Attention.forward` run on each document separately (a Python loop over documents),
-fp32, outputs and gradients (input + every parameter) <= 3e-5 (7x the measured cross-host worst), indexer selections identical.
+Oracle: the same module `DSv4Attention.forward` run on each document separately (a Python loop over documents,
+the default layout: one document), fp32, outputs and gradients (input + every parameter) <= 3e-5 (7x the measured
+cross-host worst), indexer selections identical.
 """
 import pytest
 import torch
 
-from dsv4.model import thd
 from dsv4.model.attention import DSv4Attention
 from dsv4.model.config import get_config
+from dsv4.model.layout import Layout, seg_pos_from_cu_seqlens
+from dsv4.model.losses import AuxLosses
 
 LENS = [5, 19, 3, 37, 2, 17]          # odd: < a CSA window, < an HCA window, not multiples of 4 or 16
 # the slice's stated bound (fp32 <= 1e-5, docstring); measured worst
@@ -23,6 +25,11 @@ def _randomize(mod):
     with torch.no_grad():
         for p in mod.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.5) + (1.0 if p.dim() == 1 else 0))
+
+
+def packed_attn(attn, h, cu, cup, aux=None):
+    """attn on the packed stream h [1, T, d] described by cu_seqlens (+ padded)."""
+    return attn(h, Layout.packed(cu, tuple(h.shape[:2]), cup), aux)
 
 
 def _cu(padded):
@@ -44,13 +51,14 @@ def test_packed_attention_equals_separate(layer, padded):
     _randomize(attn)
     cu, cup, T = _cu(padded)
     h = torch.randn(1, T, cfg.hidden_size, requires_grad=True)
-    seg, pos = thd.seg_pos_from_cu_seqlens(cu, T, cup)
+    seg, pos = seg_pos_from_cu_seqlens(cu, T, cup)
     r = torch.randn(1, T, cfg.hidden_size)
     real = seg >= 0
     params = [p for p in attn.parameters()]
 
-    out = thd.thd_attention_forward(attn, h, cu, cup)
-    packed_topk, packed_entries = attn.last_topk, getattr(attn, "last_entries", None)
+    aux = AuxLosses()
+    out = packed_attn(attn, h, cu, cup, aux)
+    packed = aux.picks_doc(layer) if attn.kind == "csa" else None           # (doc, j) per query
     grads = torch.autograd.grad((out * r).sum(), [h] + params, allow_unused=True)
     assert out.shape == h.shape and torch.isfinite(out).all()
     if (~real).any():
@@ -61,14 +69,14 @@ def test_packed_attention_equals_separate(layer, padded):
     n_sel = 0
     for d in range(len(LENS)):
         rows = torch.nonzero(seg == d).flatten()
-        o_d = attn(h[:, rows])                                                  # positions 0..L-1 (default)
+        aux_d = AuxLosses()
+        o_d = attn(h[:, rows], aux=aux_d)                                       # one document (default layout)
         ref[0, rows] = o_d[0].detach()
         loss_ref = loss_ref + (o_d * r[:, rows]).sum()
         if attn.kind == "csa":                                                  # selections identical
-            sep = attn.last_topk[0]                                             # [L, k_d]
-            iseg, ij = packed_entries
+            sep = aux_d.picks(layer)                                            # [L, k_d]
             for t_loc, t in enumerate(rows.tolist()):
-                got = [(int(iseg[i]), int(ij[i])) for i in packed_topk[t].tolist() if i >= 0]
+                got = packed[t]
                 want = [(d, j) for j in sep[t_loc].tolist() if j >= 0]
                 assert got == want, (d, t_loc, got, want)
                 n_sel += len(want)
@@ -98,19 +106,22 @@ def test_packed_indexer_loss_equals_separate(mode):
     _randomize(attn)
     cu, cup, T = _cu(True)
     h = torch.randn(1, T, cfg.hidden_size)
-    seg, _ = thd.seg_pos_from_cu_seqlens(cu, T, cup)
+    seg, _ = seg_pos_from_cu_seqlens(cu, T, cup)
     iparams = list(attn.indexer.parameters())
-    thd.thd_attention_forward(attn, h, cu, cup)
-    loss = attn.indexer_loss
+    aux = AuxLosses()
+    packed_attn(attn, h, cu, cup, aux)
+    loss = aux.indexer[0][0]
     g_packed = torch.autograd.grad(loss, iparams)
     num, den = 0.0, 0
     m = cfg.csa_ratio
     for d, L in enumerate(LENS):
         rows = torch.nonzero(seg == d).flatten()
-        attn(h[:, rows])
+        aux_d = AuxLosses()
+        attn(h[:, rows], aux=aux_d)
         n_q = max(0, L - m + 1)                                                 # queries with >= 1 entry
+        assert int(aux_d.indexer[0][1]) == n_q
         if n_q:
-            num = num + attn.indexer_loss * n_q
+            num = num + aux_d.indexer[0][0] * n_q
             den += n_q
     ref = num / den
     g_ref = torch.autograd.grad(ref, iparams)
@@ -132,9 +143,9 @@ def test_packed_attention_bf16(layer):
     attn = attn.to(torch.bfloat16)
     cu, cup, T = _cu(True)
     h = torch.randn(1, T, cfg.hidden_size).to(torch.bfloat16)
-    seg, _ = thd.seg_pos_from_cu_seqlens(cu, T, cup)
+    seg, _ = seg_pos_from_cu_seqlens(cu, T, cup)
     with torch.no_grad():
-        out = thd.thd_attention_forward(attn, h, cu, cup)
+        out = packed_attn(attn, h, cu, cup)
         assert out.dtype == torch.bfloat16
         for d in range(len(LENS)):
             rows = torch.nonzero(seg == d).flatten()
@@ -150,16 +161,17 @@ def test_packed_dense_mode_eval_equals_separate():
     _randomize(attn)
     cu, cup, T = _cu(False)
     h = torch.randn(1, T, cfg.hidden_size)
-    seg, _ = thd.seg_pos_from_cu_seqlens(cu, T, cup)
+    seg, _ = seg_pos_from_cu_seqlens(cu, T, cup)
     with torch.no_grad():
-        out = thd.thd_attention_forward(attn, h, cu, cup)
+        out = packed_attn(attn, h, cu, cup)
         for d in range(len(LENS)):
             rows = torch.nonzero(seg == d).flatten()
             assert (out[0, rows] - attn(h[:, rows])[0]).abs().max().item() <= TOL
 
 
-def test_forward_hook_cu_seqlens():
-    """DSv4Attention.forward(h, cu_seqlens=..., cu_seqlens_padded=...) is the packed path."""
+def test_layout_from_packed_seq_params():
+    """A Megatron PackedSeqParams gives the same layout (and output) as its cu_seqlens."""
+    from dsv4.model.packed_seq import make_params
     cfg = get_config("debug")
     torch.manual_seed(0)
     attn = DSv4Attention(cfg, 1).eval()
@@ -167,4 +179,5 @@ def test_forward_hook_cu_seqlens():
     cu, cup, T = _cu(True)
     h = torch.randn(1, T, cfg.hidden_size)
     with torch.no_grad():
-        assert torch.equal(attn(h, cu_seqlens=cu, cu_seqlens_padded=cup), thd.thd_attention_forward(attn, h, cu, cup))
+        lay = Layout.from_packed_seq_params(make_params(cu, cup), (1, T))
+        assert torch.equal(attn(h, lay), packed_attn(attn, h, cu, cup))

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4.model import thd
 from dsv4.model.config import get_config
+from dsv4.model.layout import Layout, seg_pos_from_cu_seqlens
 from dsv4.model.model import DSv4Model
 
 LENS = [6, 21, 3, 34, 9]          # odd lengths; 34 has 2 HCA entries (m' = 16) and more CSA entries than top-k
@@ -44,7 +44,7 @@ def test_packed_model_equals_separate(padded):
     cu = torch.tensor([0] + torch.tensor(LENS).cumsum(0).tolist())
     cup = torch.tensor([0] + torch.tensor(PADDED).cumsum(0).tolist()) if padded else None
     T = int((cup if padded else cu)[-1])
-    seg, _ = thd.seg_pos_from_cu_seqlens(cu, T, cup)
+    seg, _ = seg_pos_from_cu_seqlens(cu, T, cup)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, cfg.vocab_size, (1, T), generator=g)
     labels = torch.full((1, T), IGNORE)
@@ -56,7 +56,7 @@ def test_packed_model_equals_separate(padded):
         docs.append(rows)
     params = list(model.parameters())
 
-    out = thd.packed_model_forward(model, ids, labels, cu, cup)
+    out = model(ids, labels, cu_seqlens=cu, cu_seqlens_padded=cup)
     real = seg >= 0
     r1, r2 = torch.randn(out.logits.shape, generator=g), torch.randn(out.logits.shape, generator=g)
     obj = (out.logits * r1)[0, real].sum() + (out.mtp_logits * r2)[0, real].sum() + out.loss
@@ -109,7 +109,7 @@ def test_harness_packing_output_runs_packed(tail):
     ids = torch.as_tensor(batch["tokens"])[None]
     labels = torch.as_tensor(batch["labels"])[None]
     with torch.no_grad():
-        out = thd.packed_model_forward(model, ids, labels, batch["cu_seqlens"], batch["cu_seqlens_padded"])
+        out = model(ids, labels, cu_seqlens=batch["cu_seqlens"], cu_seqlens_padded=batch["cu_seqlens_padded"])
         cup = batch["cu_seqlens_padded"]
         for i, s in enumerate(mb.segments):
             o = int(cup[i])
@@ -119,33 +119,46 @@ def test_harness_packing_output_runs_packed(tail):
     assert torch.isfinite(out.loss)
 
 
-def test_packed_forward_with_block_recompute_keeps_gradients():
-    """`model.set_recompute(True)` re-runs blocks in backward, after the packed context has ended: the packed
-    forward must not let that re-run use the unpacked attention (it switches block recompute off inside)."""
-    model = _model()
-    cu = torch.tensor([0, 6, 27, 30])
-    ids = torch.randint(0, model.cfg.vocab_size, (1, 30), generator=torch.Generator().manual_seed(5))
+@pytest.mark.parametrize("train", [False, True])
+def test_packed_with_block_recompute_equals_packed(train):
+    """Whole-block recompute (model/recompute.py checkpoint_block) on the packed layout: the re-run in backward
+    sees the same layout, so logits, loss (incl. the indexer KL in training) and every gradient equal the run
+    without recompute; the auxiliary losses are collected once."""
+    model = _model().train(train)
+    cu, cup = torch.tensor([0, 6, 27, 30]), torch.tensor([0, 8, 30, 34])
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 34), generator=g)
+    labels = torch.randint(0, model.cfg.vocab_size, (1, 34), generator=g)
     params = list(model.parameters())
 
-    def grads(recompute):
+    def run(recompute):
         model.set_recompute(recompute)
-        out = thd.packed_model_forward(model, ids, None, cu)
-        return torch.autograd.grad(out.logits.square().sum(), params, allow_unused=True)
+        out = model(ids, labels, cu_seqlens=cu, cu_seqlens_padded=cup)
+        return out, torch.autograd.grad(out.loss + out.logits.square().mean(), params, allow_unused=True)
 
-    g0, g1 = grads(False), grads(True)
-    assert model.recompute is True                                              # restored after the call
-    for a, b in zip(g0, g1):
+    (o0, g0), (o1, g1) = run(False), run(True)
+    assert model.recompute is True
+    assert torch.equal(o0.logits, o1.logits) and torch.equal(o0.loss, o1.loss)
+    assert len(o1.aux.indexer) == len(o0.aux.indexer) == (1 if train else 0)
+    for (n, _), a, b in zip(model.named_parameters(), g0, g1):
         if a is not None or b is not None:
-            assert torch.equal(a, b)
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), n
 
 
-def test_model_forward_hook_cu_seqlens():
-    """DSv4Model.forward(input_ids, labels, cu_seqlens=..., cu_seqlens_padded=...) is the packed path."""
+def test_model_forward_cu_seqlens_is_the_packed_layout():
+    """DSv4Model.forward(input_ids, labels, cu_seqlens=..., cu_seqlens_padded=...) == the same forward on
+    `layout=Layout.packed(...)`, and a plain [B, S] batch == B documents of S tokens."""
     model = _model()
     cu, cup = torch.tensor([0, 6, 27, 30]), torch.tensor([0, 8, 30, 34])
     ids = torch.randint(0, model.cfg.vocab_size, (1, 34), generator=torch.Generator().manual_seed(6))
     labels = torch.roll(ids, -1, 1)
     with torch.no_grad():
         a = model(ids, labels, cu_seqlens=cu, cu_seqlens_padded=cup)
-        b = thd.packed_model_forward(model, ids, labels, cu, cup)
-    assert torch.equal(a.logits, b.logits) and torch.equal(a.mtp_logits, b.mtp_logits) and torch.equal(a.loss, b.loss)
+        b = model(ids, labels, layout=Layout.packed(cu, (1, 34), cup))
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.mtp_logits, b.mtp_logits) and torch.equal(a.loss, b.loss)
+        ids2 = ids[:, :32].reshape(2, 16)
+        c = model(ids2, ids2)
+        d = model(ids2.reshape(1, 32), ids2.reshape(1, 32), cu_seqlens=torch.tensor([0, 16, 32]))
+        # rows run as separate streams, the packed row as one: equal up to fp32 summation order
+        assert torch.allclose(c.logits.reshape(1, 32, -1), d.logits, atol=1e-5, rtol=0)
+        assert torch.allclose(c.loss, d.loss, atol=1e-6)

@@ -9,7 +9,8 @@ import torch
 
 from dsv4.model import context_parallel as cpl
 from dsv4.model.config import get_config
-from dsv4.model.thd import THDError, seg_pos_from_cu_seqlens
+from dsv4.model.attention import attention_halo
+from dsv4.model.layout import LayoutError, seg_pos_from_cu_seqlens
 from dsv4.slices.D8._workers import primitives_worker, spawn
 
 CU = torch.tensor([0, 5, 24, 27, 64, 66, 76])
@@ -17,7 +18,7 @@ CU = torch.tensor([0, 5, 24, 27, 64, 66, 76])
 
 def test_chunks_and_rank_layout():
     assert [cpl.contiguous_chunk(76, 4, r) for r in range(4)] == [(0, 19), (19, 38), (38, 57), (57, 76)]
-    with pytest.raises(THDError, match="multiple of cp"):
+    with pytest.raises(LayoutError, match="multiple of cp"):
         cpl.contiguous_chunk(75, 4, 0)
     seg, pos = seg_pos_from_cu_seqlens(CU)
     for r in range(4):
@@ -46,9 +47,9 @@ def test_rank_cu_seqlens_rebuild_the_chunk(padded):
 
 def test_halo_sizes():
     cfg = get_config("debug")                                                   # window 8, CSA 4, HCA 16
-    assert [cpl.attention_halo(cfg, i) for i in range(3)] == [7, 7, 15]
+    assert [attention_halo(cfg, i) for i in range(3)] == [7, 7, 15]
     flash = get_config("flash")
-    assert cpl.attention_halo(flash, 2) == 127 and cpl.attention_halo(flash, 3) == 127
+    assert attention_halo(flash, 2) == 127 and attention_halo(flash, 3) == 127
 
 
 @pytest.mark.parametrize("ws,C,halo", [(3, 5, 4), (4, 3, 7)])                 # 7 > C: halo spans ranks
@@ -82,6 +83,6 @@ def test_packed_seq_params_partition_mode():
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     ok = SimpleNamespace(qkv_format="thd", cu_seqlens_q=cu, cp_partition_mode="contiguous")
     assert cpl.cu_seqlens_from_packed_seq_params(ok)[0].tolist() == [0, 3, 8]
-    with pytest.raises(THDError, match="contiguous"):
+    with pytest.raises(LayoutError, match="contiguous"):
         cpl.cu_seqlens_from_packed_seq_params(SimpleNamespace(qkv_format="thd", cu_seqlens_q=cu,
                                                               cp_partition_mode="zigzag"))

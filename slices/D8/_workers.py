@@ -94,7 +94,8 @@ def cp_attention_worker(rank, ws, port, outdir, cases, megatron="cp"):
     megatron="cp": the group is Megatron-Core's parallel_state CP group; None: the default (WORLD) group."""
     from dsv4.model.attention import DSv4Attention
     from dsv4.model.config import get_config
-    from dsv4.model.context_parallel import contiguous_chunk, cp_attention_forward
+    from dsv4.model.context_parallel import CPLayout, contiguous_chunk
+    from dsv4.model.losses import AuxLosses
     group = _init(rank, ws, port, megatron)
     cfg = get_config("debug")
     res = []
@@ -105,17 +106,15 @@ def cp_attention_worker(rank, ws, port, outdir, cases, megatron="cp"):
         h, r = stream_inputs(T, cfg.hidden_size)
         s, e = contiguous_chunk(T, ws, rank)
         h_loc = h[:, s:e].clone().requires_grad_()
-        out = cp_attention_forward(attn, h_loc, cu, T, cup, group=group)
+        aux = AuxLosses()
+        out = attn(h_loc, CPLayout(cu, T, cup, group), aux)                    # the CP layout, same forward
         (out * r[:, s:e]).sum().backward()
         grads = {}
         for n, p in attn.named_parameters():
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             dist.all_reduce(g, group=group)                                    # data-parallel style sum
             grads[n] = g
-        sel = None
-        if attn.last_topk is not None:
-            iseg, ij = attn.last_entries
-            sel = [[(int(iseg[i]), int(ij[i])) for i in row.tolist() if i >= 0] for row in attn.last_topk]
+        sel = aux.picks_doc(layer) if aux.selections else None
         res.append({"out": out.detach()[0], "h_grad": h_loc.grad[0], "grads": grads, "sel": sel})
     _finish(outdir, rank, res, megatron)
 
@@ -143,7 +142,7 @@ def cp_roll_worker(rank, ws, port, outdir, cu, cup, T):
 def ep_worker(rank, ws, port, outdir, counts, layers, static_tokens, megatron, capacity=None):
     """EP MoE on this rank's `counts[rank]` tokens (ids and x slices of one global batch), fwd + bwd."""
     from dsv4.model.config import get_config
-    from dsv4.model.ep_dispatch import ep_moe_forward
+    from dsv4.model.ep_dispatch import EPDispatcher
     from dsv4.model.moe import MoE
     group = _init(rank, ws, port, megatron)
     cfg = get_config("debug")
@@ -159,7 +158,10 @@ def ep_worker(rank, ws, port, outdir, counts, layers, static_tokens, megatron, c
         ids = torch.randint(0, cfg.vocab_size, (1, n_all), generator=g)
         r = torch.randn(1, n_all, cfg.hidden_size, generator=g)
         x_loc = x[:, s:e].clone().requires_grad_()
-        y, idx = ep_moe_forward(moe, x_loc, ids[:, s:e], group, static_tokens, capacity)
+        moe.dispatcher = EPDispatcher(group, static_tokens, capacity)           # the layer's own forward
+        y = moe(x_loc, ids[:, s:e])
+        with torch.no_grad():
+            idx = moe.gate(x_loc.reshape(-1, x_loc.shape[-1]), ids[:, s:e])[1]
         (y * r[:, s:e]).sum().backward()
         grads = {}
         for n, p in moe.named_parameters():
@@ -190,7 +192,7 @@ def build_debug_model(train: bool):
 
 def packed_batch(lens, padded, vocab):
     """ids / labels [1, T] of documents in padded slots; labels = next token inside the doc, -100 elsewhere."""
-    from dsv4.model.thd import seg_pos_from_cu_seqlens
+    from dsv4.model.layout import seg_pos_from_cu_seqlens
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
     cup = torch.tensor([0] + torch.tensor(padded).cumsum(0).tolist())
     T = int(cup[-1])
@@ -203,13 +205,13 @@ def packed_batch(lens, padded, vocab):
     return cu, cup, T, seg, ids, labels
 
 
-def cp_model_worker(rank, ws, port, outdir, lens, padded):
-    from dsv4.model.context_parallel import contiguous_chunk, cp_model_forward
+def cp_model_worker(rank, ws, port, outdir, lens, padded, recompute=False):
+    from dsv4.model.context_parallel import CPLayout, contiguous_chunk
     group = _init(rank, ws, port)
-    model = build_debug_model(train=True)
+    model = build_debug_model(train=True).set_recompute(recompute)
     cu, cup, T, seg, ids, labels = packed_batch(lens, padded, model.cfg.vocab_size)
     s, e = contiguous_chunk(T, ws, rank)
-    out = cp_model_forward(model, ids[:, s:e], labels[:, s:e], cu, T, cup, group)
+    out = model(ids[:, s:e], labels[:, s:e], layout=CPLayout(cu, T, cup, group))   # the CP layout
     out.loss.backward()
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, group=group)
@@ -225,14 +227,12 @@ def cp_model_worker(rank, ws, port, outdir, lens, padded):
 def ep_model_worker(rank, ws, port, outdir, lens_per_rank):
     """EP over the whole model: rank r runs ITS OWN packed batch (documents lens_per_rank[r], different total
     lengths) through the debug DSv4Model with experts dispatched over the EP group; fwd + bwd of the loss."""
-    from dsv4.model import thd
-    from dsv4.model.ep_dispatch import expert_parallel
+    from dsv4.model.ep_dispatch import parallelize
     group = _init(rank, ws, port)
-    model = build_debug_model(train=True)
+    model = parallelize(build_debug_model(train=True), ep=group)
     lens = lens_per_rank[rank]
     cu, cup, T, seg, ids, labels = packed_batch(lens, lens, model.cfg.vocab_size)
-    with expert_parallel(model, group):
-        out = thd.packed_model_forward(model, ids, labels, cu, cup)
+    out = model(ids, labels, cu_seqlens=cu, cu_seqlens_padded=cup)
     out.loss.backward()
     grads = {}
     for n, p in model.named_parameters():

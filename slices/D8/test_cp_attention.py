@@ -10,9 +10,10 @@ import functools
 import pytest
 import torch
 
-from dsv4.model import thd
 from dsv4.model.attention import DSv4Attention
 from dsv4.model.config import get_config
+from dsv4.model.layout import seg_pos_from_cu_seqlens
+from dsv4.model.losses import AuxLosses
 from dsv4.slices.D8._workers import cp_attention_worker, randomize, spawn, stream_inputs
 
 # the slice's stated bound (fp32 <= 1e-5, docstring); measured worst
@@ -54,17 +55,19 @@ def _oracle(layer, cu, cup, T):
     randomize(attn)
     h, r = stream_inputs(T, cfg.hidden_size)
     h = h.clone().requires_grad_()
-    seg, _ = thd.seg_pos_from_cu_seqlens(cu, T, cup)
+    seg, _ = seg_pos_from_cu_seqlens(cu, T, cup)
     out = torch.zeros(T, cfg.hidden_size)
     loss, sel = 0.0, {}
     for d in range(len(cu) - 1):
         rows = torch.nonzero(seg == d).flatten()
-        o = attn(h[:, rows])[0]
+        aux = AuxLosses()
+        o = attn(h[:, rows], aux=aux)[0]
         out[rows] = o.detach()
         loss = loss + (o * r[0, rows]).sum()
-        if attn.last_topk is not None:
+        if aux.selections:
+            picks = aux.picks(layer)
             for t_loc, t in enumerate(rows.tolist()):
-                sel[t] = [(d, j) for j in attn.last_topk[0, t_loc].tolist() if j >= 0]
+                sel[t] = [(d, j) for j in picks[t_loc].tolist() if j >= 0]
     loss.backward()
     return {"out": out, "h_grad": h.grad[0], "seg": seg, "sel": sel,
             "grads": {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in attn.named_parameters()}}

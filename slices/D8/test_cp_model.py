@@ -34,6 +34,7 @@ def _oracle():
     for d, L in enumerate(LENS):
         rows = torch.nonzero(seg == d).flatten()
         o = model(ids[:, rows])
+        il = [l for l, _ in o.aux.indexer]
         logits[rows], mtp_logits[rows] = o.logits[0].detach(), o.mtp_logits[0].detach()
         lab = labels[0, rows]
         mlab = torch.cat([lab[1:], torch.tensor([-100])])
@@ -41,9 +42,9 @@ def _oracle():
         mtp = mtp + F.cross_entropy(o.mtp_logits[0], mlab, ignore_index=-100, reduction="sum")
         n_lm += int((lab != -100).sum()); n_mtp += int((mlab != -100).sum())
         n_q = max(0, L - cfg.csa_ratio + 1)                                     # queries with a candidate
-        for b in model.layers:
-            if b.attn.indexer_loss is not None and n_q:
-                il_num = il_num + b.attn.indexer_loss * n_q
+        for l in il:
+            if n_q:
+                il_num = il_num + l * n_q
         il_den += n_q
     loss = lm / n_lm + cfg.mtp_loss_scaling_factor * mtp / n_mtp + il_num / il_den
     loss.backward()
@@ -51,9 +52,10 @@ def _oracle():
     return seg, logits, mtp_logits, loss.detach(), grads
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_cp_model_equals_per_document(cp):
-    res = spawn(cp_model_worker, cp, LENS, PADDED)
+@pytest.mark.parametrize("cp,recompute", [(2, False), (4, False), (2, True)])
+def test_cp_model_equals_per_document(cp, recompute):
+    """recompute=True: whole-block recompute (model/recompute.py) under the CP layout == the same oracle."""
+    res = spawn(cp_model_worker, cp, LENS, PADDED, recompute)
     seg, logits, mtp_logits, loss, grads = _oracle()
     real = seg >= 0
     lg = torch.cat([r["logits"] for r in res])

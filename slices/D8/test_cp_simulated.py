@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsv4.model import context_parallel as cpl
-from dsv4.model import thd
+from dsv4.model.layout import Layout
 from dsv4.model.attention import DSv4Attention
 from dsv4.model.config import get_config
 from dsv4.slices.D8._workers import randomize
@@ -38,6 +38,6 @@ def test_simulated_cp_equals_packed(name, cp):
     for layer in (0, 1, 2):
         attn = DSv4Attention(cfg, layer).eval()
         randomize(attn)
-        ref = thd.thd_attention_forward(attn, h, cu, cup)
+        ref = attn(h, Layout.packed(cu, (1, T), cup))
         out = cpl.simulate_cp_attention(attn, h, cu, cp, cup)
         assert (out - ref).abs().max().item() <= ATOL, (name, cp, layer)

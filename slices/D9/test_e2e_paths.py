@@ -109,8 +109,11 @@ def test_teacher_chunked_and_topk_only_match_dense(chunk):
     idx[9, :, 1] = -1
     cand = candidates_from_idx(idx, T)
     ref = _teacher_oracle(q, kv, comp, cand, sink, W, 0.37)
-    dense = indexer_teacher(q, kv, comp, cand, sink, W, 0.37, "joint", chunk=chunk)
-    sparse = indexer_teacher(q, kv, comp, cand, sink, W, 0.37, "joint", chunk=chunk, idx=idx)
+    seg, pos = torch.zeros(S, dtype=torch.long), torch.arange(S)          # each batch column: one document
+    dense = torch.stack([indexer_teacher(q[:, b], kv[:, b], comp[:, b], cand[:, b], sink, W, 0.37, "joint", seg, pos,
+                                         chunk=chunk) for b in range(B)], 1)
+    sparse = torch.stack([indexer_teacher(q[:, b], kv[:, b], comp[:, b], cand[:, b], sink, W, 0.37, "joint", seg,
+                                          pos, chunk=chunk, idx=idx[:, b]) for b in range(B)], 1)
     torch.testing.assert_close(dense, ref, **TOL_F64)
     torch.testing.assert_close(sparse, ref, **TOL_F64)
 

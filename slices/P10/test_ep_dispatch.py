@@ -66,7 +66,6 @@ def test_ep_model_packed_batches_of_different_lengths():
     packed THD batches of DIFFERENT lengths (29 and 17 tokens); each rank's logits and loss equal the
     single-rank packed run of its batch, and the expert / router gradients summed over ranks equal the sum of
     the two single-rank gradients."""
-    from dsv4.model import thd
     from dsv4.slices.D8._workers import build_debug_model, ep_model_worker, packed_batch
     lens_per_rank = [[6, 21, 2], [9, 3, 5]]
     res = spawn(ep_model_worker, 2, lens_per_rank)
@@ -74,7 +73,7 @@ def test_ep_model_packed_batches_of_different_lengths():
     loss_sum = 0.0
     for r, lens in enumerate(lens_per_rank):
         cu, cup, T, seg, ids, labels = packed_batch(lens, lens, model.cfg.vocab_size)
-        out = thd.packed_model_forward(model, ids, labels, cu, cup)
+        out = model(ids, labels, cu_seqlens=cu, cu_seqlens_padded=cup)
         e = (out.logits[0].detach() - res[r]["logits"]).abs().max().item()
         assert e <= 1e-5, (r, e)                                                 # measured 3.1e-7 (11 hosts), x32
         assert abs(out.loss.item() - res[r]["loss"].item()) <= 1e-5             # measured 9.5e-7 (11 hosts), x10

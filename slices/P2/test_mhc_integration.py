@@ -66,7 +66,7 @@ class _StandInAttn(nn.Module):
         super().__init__()
         self.lin = nn.Linear(d, d, bias=False)
 
-    def forward(self, h, positions=None):
+    def forward(self, h, layout=None, aux=None):
         return torch.tanh(self.lin(h))
 
 
@@ -144,7 +144,7 @@ def test_mtp_wiring_vs_oracle():
         ids_next = torch.cat([ids[:, 1:], torch.zeros(2, 1, dtype=torch.long)], 1)
         e = _rms(m.embed.weight[ids_next], mtp.enorm.weight)
         X0 = (e @ mtp.e_proj.weight.t()).unsqueeze(2) + _rms(seen["XL"], mtp.hnorm.weight) @ mtp.h_proj.weight.t()
-        X1 = Block.forward(mtp, X0, ids_next, torch.arange(23))
+        X1 = Block.forward(mtp, X0, ids_next)                      # default layout: 2 documents of 23
         y = _rms(_oracle_head(X1, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, CFG), mtp.norm.weight)
         ref = y @ m.head.weight.t()
     assert mtp.layer_idx == CFG.num_hidden_layers and not mtp.ffn.gate.hash

@@ -10,6 +10,7 @@ from dsv4.harness.cases import golden_case
 def hash_and_score_routing_debug():
     """debug config: layer 0 (hash) and layer 1 (score) gates on 19 seeded tokens."""
     from dsv4.model.config import get_config
+    from dsv4.model.losses import AuxLosses
     from dsv4.model.moe import MoE
     cfg = get_config("debug")
     torch.manual_seed(0)
@@ -21,8 +22,9 @@ def hash_and_score_routing_debug():
         score_moe.gate.bias.copy_(torch.randn(cfg.n_routed_experts, generator=g) * 0.05)
         hw, hidx, _ = hash_moe.gate(x[0], ids)
         sw, sidx, _ = score_moe.gate(x[0], None)
-        score_moe(x, None)
-        aux = score_moe.aux_loss.item()
+        collected = AuxLosses()
+        score_moe(x, None, collected)
+        aux = collected.moe[0].item()
     score_moe.gate.update_expert_bias()
     return {"hash_idx": hidx, "hash_w": hw, "table_rows": hash_moe.gate.tid2eid[:16], "score_idx": sidx,
             "score_w": sw, "bias_after": score_moe.gate.bias, "seq_aux": aux}

@@ -6,7 +6,7 @@ gradient must return to the owner rank). Oracle: per-document loop in this proce
 import pytest
 import torch
 
-from dsv4.model.thd import seg_pos_from_cu_seqlens
+from dsv4.model.layout import seg_pos_from_cu_seqlens
 from dsv4.slices.D8._workers import cp_roll_worker, spawn
 
 LENS = [5, 19, 3, 37, 2, 10]

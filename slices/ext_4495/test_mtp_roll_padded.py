@@ -5,7 +5,7 @@ Oracle: each document alone (Megatron-style shifted labels), rolled left by one 
 import torch
 
 from dsv4.model import mtp_roll
-from dsv4.model.thd import seg_pos_from_cu_seqlens
+from dsv4.model.layout import seg_pos_from_cu_seqlens
 
 IGNORE = -100
 LENS = [5, 1, 7, 2, 4]

@@ -28,7 +28,7 @@ def padded_attention_csa():
     """THD attention of the debug CSA layer driven by the static (padded) metadata."""
     from dsv4.model import get_config
     from dsv4.model.attention import DSv4Attention
-    from dsv4.model.thd import thd_attention_forward
+    from dsv4.model.layout import Layout
     cfg = get_config("debug")
     torch.manual_seed(0)
     attn = DSv4Attention(cfg, 1).eval()
@@ -36,5 +36,5 @@ def padded_attention_csa():
         attn.attn_sink.normal_()
         _, _, buf = _buf()
         h = torch.randn(1, 40, cfg.hidden_size)
-        out = thd_attention_forward(attn, h, buf[0].long(), buf[2].long())[0]
+        out = attn(h, Layout.packed(buf[0].long(), tuple(h.shape[:2]), buf[2].long()))[0]
     return {"out_rows": out[[0, 12, 16, 19, 20, 36, 39]], "out_sum": float(out.double().sum())}

@@ -6,7 +6,7 @@ import torch
 from dsv4.model import get_config
 from dsv4.model.attention import DSv4Attention
 from dsv4.model.packed_seq import (PackedSeqError, copy_into, flatten, make_params, rebuild, seg_pos_static)
-from dsv4.model.thd import seg_pos_from_cu_seqlens, thd_attention_forward
+from dsv4.model.layout import Layout, seg_pos_from_cu_seqlens
 
 
 def _batch(lens, pad_to=1, seed=0):
@@ -54,9 +54,10 @@ def test_padded_metadata_gives_identical_attention(layer):
     h = torch.randn(1, T, cfg.hidden_size)
     buf = flatten(make_params(cu, cup), max_seqs=7, max_seqlen=64)
     with torch.no_grad():
-        ref = thd_attention_forward(attn, h, cu, cup)
-        got = thd_attention_forward(attn, h, buf[0].long(), buf[2].long())   # 4 extra zero-length documents
-    assert torch.equal(got, ref)
+        ref = attn(h, Layout.packed(cu, tuple(h.shape[:2]), cup))
+        got = attn(h, Layout.packed(buf[0].long(), tuple(h.shape[:2]), buf[2].long()))   # 4 zero-length docs
+        static = attn(h, Layout.from_static_buffer(buf, tuple(h.shape[:2])))              # no host sync
+    assert torch.equal(got, ref) and torch.equal(static, ref)
 
 
 def test_refusals():

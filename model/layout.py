@@ -1,0 +1,190 @@
+"""One layout description per forward: the token batch as documents (Megatron's PackedSeqParams, D5 / D6).
+
+Every forward of the network runs on a `Layout`. It describes the B*S tokens of `input_ids [B, S]`, flattened
+row-major into one token stream, as documents:
+  cu_seqlens        [n_docs+1]  cumulative REAL lengths of the documents,
+  cu_seqlens_padded [n_docs+1]  cumulative PADDED lengths = the offsets of the documents in the stream
+                                (document i occupies tokens cu_padded[i] .. cu_padded[i] + len_i - 1; the rest
+                                of its padded slot is padding). Without it, the documents are back to back.
+                                [n_docs+2]: a trailing dummy sequence of padding (harness/packing.py's
+                                `append_dummy_seq` tail policy, Megatron's thd_tail_padding_policy).
+A plain [B, S] batch is B documents of S tokens (`Layout.batch`), built at the API edge (DSv4Model.forward).
+From the offsets follow, once per forward, two per-token integer vectors, the only metadata the kernels take
+(kernels/<op>/naive.py):
+  seg [T]  document id of the token, -1 for padding,
+  pos [T]  position of the token inside its document (0 for padding); `rope_pos` (default pos) feeds RoPE.
+Everything DSv4 does across tokens then restarts at document starts (spec §5.2, §6.2-6.3, §7.2; the four
+classic THD bugs of peers_matrix §3: window clamped to the stream start, stream-wide RoPE positions,
+compressor groups crossing documents, indexer scoring the whole stream).
+
+The layout is also the interface through which a parallel layout transforms the attention's view of the stream
+(model/context_parallel.py's `CPLayout`): `context` (the rows a layer sees: local tokens plus a left halo),
+`gather_entries` (the compressed entries of the other ranks), `roll_next` (the MTP input t+1 inside a
+document) and `global_count` (loss denominators over ranks). This single-rank layout does nothing in each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.kernels.compressor.naive import LayoutError
+
+IGNORE = -100
+
+
+def _check_cu(name: str, cu: torch.Tensor) -> None:
+    if cu.dim() != 1 or cu.numel() < 1 or cu.dtype.is_floating_point:
+        raise LayoutError(f"{name}: must be a 1-D integer tensor [n_docs+1], got {tuple(cu.shape)} {cu.dtype}")
+    if int(cu[0]) != 0:
+        raise LayoutError(f"{name}: must start at 0, got {int(cu[0])}")
+    if bool((cu[1:] < cu[:-1]).any()):
+        raise LayoutError(f"{name}: must be non-decreasing, got {cu.tolist()}")
+
+
+def seg_pos_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None,
+                            cu_seqlens_padded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seg [T], pos [T]) of a packed stream; T = `total` (default: the last offset); trailing tokens = padding."""
+    cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.long).cpu()
+    _check_cu("cu_seqlens", cu_seqlens)
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]                                     # [n_docs] real lengths
+    if cu_seqlens_padded is None:
+        starts = cu_seqlens[:-1]
+        end = int(cu_seqlens[-1])
+    else:
+        cup = torch.as_tensor(cu_seqlens_padded, dtype=torch.long).cpu()
+        _check_cu("cu_seqlens_padded", cup)
+        end = int(cup[-1])
+        if cup.numel() == cu_seqlens.numel() + 1:
+            cup = cup[:-1]                                                      # a trailing dummy sequence
+        elif cup.numel() != cu_seqlens.numel():
+            raise LayoutError(f"cu_seqlens_padded: has {cup.numel()} entries, cu_seqlens "
+                              f"{cu_seqlens.numel()} (or one more: a trailing dummy sequence)")
+        if bool(((cup[1:] - cup[:-1]) < lens).any()):
+            raise LayoutError("cu_seqlens_padded: a padded length is shorter than its real length")
+        starts = cup[:-1]
+    T = end if total is None else int(total)
+    if T < end:
+        raise LayoutError(f"total: {T} tokens is shorter than the packed documents ({end})")
+    seg = torch.full((T,), -1, dtype=torch.long)
+    pos = torch.zeros(T, dtype=torch.long)
+    doc = torch.repeat_interleave(torch.arange(lens.numel()), lens)             # [sum len] doc id per real token
+    first = torch.repeat_interleave(cu_seqlens[:-1], lens)                      # real-token offset of its doc
+    p = torch.arange(int(cu_seqlens[-1])) - first                               # position inside the doc
+    idx = starts[doc] + p                                                       # slot in the stream
+    seg[idx] = doc
+    pos[idx] = p
+    return seg, pos
+
+
+def from_packed_seq_params(psp) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(cu_seqlens, cu_seqlens_padded) of a Megatron-Core `PackedSeqParams` (duck-typed: qkv_format 'thd',
+    cu_seqlens_q / cu_seqlens_q_padded; DSv4 attention is self-attention, so q and kv metadata must agree)."""
+    if getattr(psp, "qkv_format", "thd") != "thd":
+        raise LayoutError(f"packed_seq_params.qkv_format: must be 'thd', got {psp.qkv_format!r}")
+    cu, cup = psp.cu_seqlens_q, getattr(psp, "cu_seqlens_q_padded", None)
+    kv, kvp = getattr(psp, "cu_seqlens_kv", None), getattr(psp, "cu_seqlens_kv_padded", None)
+    if kv is not None and not torch.equal(torch.as_tensor(kv).cpu(), torch.as_tensor(cu).cpu()):
+        raise LayoutError("packed_seq_params.cu_seqlens_kv: differs from cu_seqlens_q (self-attention only)")
+    if kvp is not None and cup is not None and not torch.equal(torch.as_tensor(kvp).cpu(), torch.as_tensor(cup).cpu()):
+        raise LayoutError("packed_seq_params.cu_seqlens_kv_padded: differs from cu_seqlens_q_padded")
+    return torch.as_tensor(cu).cpu(), (None if cup is None else torch.as_tensor(cup).cpu())
+
+
+def roll_packed(x: torch.Tensor, seg: torch.Tensor, fill=0) -> tuple[torch.Tensor, torch.Tensor]:
+    """y[t] = x[t+1] if tokens t and t+1 belong to the same document, else `fill`; x [T, ...] (token-major).
+
+    Returns (y [T, ...], valid [T] bool). Padding tokens (seg -1) are never valid.
+    """
+    T = x.shape[0]
+    nxt_seg = torch.cat([seg[1:], seg.new_full((1,), -1)])
+    valid = (seg >= 0) & (nxt_seg == seg)
+    nxt = torch.cat([x[1:], x[:1]], dim=0)                                     # x[t+1] (wraps; masked below)
+    vshape = (T,) + (1,) * (x.dim() - 1)
+    return torch.where(valid.view(vshape), nxt, torch.as_tensor(fill, dtype=x.dtype, device=x.device)), valid
+
+
+@dataclass(eq=False)
+class Layout:
+    """The documents of a token batch [B, S] (flattened row-major to T = B*S tokens), single rank.
+
+    seg / pos / rope_pos [T] (long, on the tokens' device); `shape` = (B, S); cu_seqlens (+ padded) as given.
+    """
+    seg: torch.Tensor
+    pos: torch.Tensor
+    shape: tuple[int, int]
+    cu_seqlens: torch.Tensor | None = None
+    cu_seqlens_padded: torch.Tensor | None = None
+    rope_pos: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.rope_pos is None:
+            self.rope_pos = self.pos
+
+    # ---------------------------------------------------------------- construction (the API edge)
+    @classmethod
+    def batch(cls, B: int, S: int, device=None, positions: torch.Tensor | None = None) -> "Layout":
+        """B documents of S tokens (a plain batch). `positions` [S]: RoPE positions (default 0..S-1; the masks
+        always use the index inside the document)."""
+        pos = torch.arange(S, device=device).repeat(B)
+        seg = torch.arange(B, device=device).repeat_interleave(S)
+        rope = None
+        if positions is not None:
+            positions = torch.as_tensor(positions, device=device)
+            if tuple(positions.shape) != (S,):
+                raise LayoutError(f"positions: shape {tuple(positions.shape)} != (S,) = {(S,)}")
+            rope = positions.long().repeat(B)
+        cu = torch.arange(B + 1) * S
+        return cls(seg, pos, (B, S), cu, None, rope)
+
+    @classmethod
+    def packed(cls, cu_seqlens, shape: tuple[int, int], cu_seqlens_padded=None, device=None) -> "Layout":
+        """The documents of `cu_seqlens` (+ `cu_seqlens_padded`) in the B*S tokens of a [B, S] batch (a document
+        must not cross a row when B > 1)."""
+        B, S = shape
+        seg, pos = seg_pos_from_cu_seqlens(cu_seqlens, B * S, cu_seqlens_padded)
+        if B > 1:
+            rows = seg.view(B, S)
+            if bool(((rows[1:, 0] >= 0) & (rows[1:, 0] == rows[:-1, -1])).any()):
+                raise LayoutError("cu_seqlens: a document crosses a row of the [B, S] batch")
+        cu = torch.as_tensor(cu_seqlens).cpu()
+        cup = None if cu_seqlens_padded is None else torch.as_tensor(cu_seqlens_padded).cpu()
+        return cls(seg.to(device), pos.to(device), (B, S), cu, cup)
+
+    @classmethod
+    def from_static_buffer(cls, buf: torch.Tensor, shape: tuple[int, int]) -> "Layout":
+        """The layout of a static PackedSeqParams buffer (model/packed_seq.py, #5672): seg / pos derived on the
+        buffer's device with static shapes and no host synchronisation (CUDA-graph capturable)."""
+        from .packed_seq import seg_pos_static
+        B, S = shape
+        seg, pos = seg_pos_static(buf, B * S)
+        return cls(seg, pos, (B, S), buf[0], buf[2])
+
+    @classmethod
+    def from_packed_seq_params(cls, psp, shape: tuple[int, int], device=None) -> "Layout":
+        cu, cup = from_packed_seq_params(psp)
+        return cls.packed(cu, shape, cup, device)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seg.shape[0]
+
+    # ---------------------------------------------------------------- what a parallel layout transforms
+    def context(self, x: torch.Tensor, halo: int):
+        """The rows an attention layer sees for local tokens x [T, d]: (rows [T', d], seg, pos, rope_pos [T'],
+        q_offset): rows q_offset.. are the local tokens, earlier rows left context. One rank: (x, ..., 0)."""
+        return x, self.seg, self.pos, self.rope_pos, 0
+
+    def gather_entries(self, comp: torch.Tensor, entry_seg: torch.Tensor, entry_j: torch.Tensor):
+        """All compressed entries a local query may see, from this rank's (one rank: its own)."""
+        return comp, entry_seg, entry_j
+
+    def roll_next(self, x: torch.Tensor, fill) -> torch.Tensor:
+        """x [B, S, ...] -> x[t+1] inside t's document, else `fill` (MTP input ids / labels, spec §10.1)."""
+        B, S = self.shape
+        y, _ = roll_packed(x.reshape(B * S, *x.shape[2:]), self.seg, fill)
+        return y.view(x.shape)
+
+    def global_count(self, n: torch.Tensor) -> torch.Tensor:
+        """A count summed over the ranks sharing the loss (one rank: n)."""
+        return n
