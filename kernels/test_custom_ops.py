@@ -21,12 +21,15 @@ def _r(*s, grad=True, dtype=torch.float32):
 def _cases():
     torch.manual_seed(0)
     S, B, H, c, ratio = 9, 1, 2, 16, 4
-    idx = torch.tensor([[0, -1], [1, 0]], device=DEV).repeat(S // 2 + 1, 1)[:S].view(S, B, 2)
+    idx = torch.tensor([[0, -1], [1, 0]], device=DEV).repeat(S // 2 + 1, 1)[:S]             # [S, 2]
+    seg, pos = torch.zeros(S, dtype=torch.long, device=DEV), torch.arange(S, device=DEV)   # one document
+    eseg, ej = torch.zeros(S // ratio, dtype=torch.long, device=DEV), torch.arange(S // ratio, device=DEV)
     N, n, d = 5, 4, 8
-    yield "sparse_attn_fwd", (_r(S, B, H, c), _r(S, B, c), _r(S // ratio, B, c), idx, _r(H), 4, ratio, 0.25)
-    yield "sparse_attn_fwd", (_r(S, B, H, c), _r(S, B, c), None, None, _r(H), 4, 0, 0.25)
+    yield "sparse_attn_fwd", (_r(S, H, c), _r(S, c), _r(S // ratio, c), idx, _r(H), seg, pos, eseg, ej, 4, ratio,
+                              0.25, 0)
+    yield "sparse_attn_fwd", (_r(S, H, c), _r(S, c), None, None, _r(H), seg, pos, None, None, 4, 0, 0.25, 0)
     yield "compress_pool_fwd", (_r(8, B, 2 * c), _r(8, B, 2 * c), _r(4, 2 * c), 4, True)
-    yield "indexer_scores_fwd", (_r(S, B, 2, c), _r(S // ratio, B, c), _r(S, B, 2), ratio)
+    yield "indexer_scores_fwd", (_r(S, 2, c), _r(S // ratio, c), _r(S, 2), ratio, seg, pos, eseg, ej)
     yield "hc_pre_fwd", (_r(N, n, d), _r((2 + n) * n, n * d), _r((2 + n) * n), _r(3), 3, 1e-6, 1e-6)
     yield "hc_post_fwd", (_r(N, n, d), _r(N, d), _r(N, n), _r(N, n, n))
     yield "clamped_swiglu_fwd", (_r(6, 8), _r(6, 8), 0.5)

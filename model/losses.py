@@ -28,18 +28,28 @@ class AuxLosses:
     indexer: list = field(default_factory=list)      # (loss scalar, n_queries scalar tensor) per CSA layer
     moe: list = field(default_factory=list)          # loss scalar per score-routed MoE layer
     selections: dict = field(default_factory=dict)   # layer_idx -> (idx [T, k], entry_seg [N], entry_j [N])
+    always: bool = False    # record during a recompute too (a checkpointed block's own container, see `merge`)
+
+    def _on(self) -> bool:
+        return self.always or not recomputing()
 
     def add_indexer(self, loss: torch.Tensor, n_queries: torch.Tensor) -> None:
-        if not recomputing():
+        if self._on():
             self.indexer.append((loss, n_queries))
 
     def add_moe(self, loss: torch.Tensor) -> None:
-        if not recomputing():
+        if self._on():
             self.moe.append(loss)
 
     def add_selection(self, layer_idx: int, idx, entry_seg, entry_j) -> None:
-        if not recomputing():
+        if self._on():
             self.selections[layer_idx] = (idx, entry_seg, entry_j)
+
+    def merge(self, other: "AuxLosses") -> None:
+        """Add a checkpointed block's container (its forward-pass terms) to this forward's."""
+        self.indexer += other.indexer
+        self.moe += other.moe
+        self.selections.update(other.selections)
 
     def picks(self, layer_idx: int, shape: tuple[int, int] | None = None) -> torch.Tensor:
         """The layer's selected entries as their index j inside the document (-1 = none): [T, k], or [B, S, k]

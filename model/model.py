@@ -95,15 +95,14 @@ class DSv4Model(nn.Module):
         X = expand_streams(e, cfg.hc_mult)                                      # [B, S, n, d]
         ckpt = self.recompute and torch.is_grad_enabled()
         for layer in self.layers:
-            X = checkpoint_block(layer, X, input_ids, layout, aux) if ckpt else layer(X, input_ids, layout, aux)
+            X = _run_block(ckpt, layer, aux, X, input_ids, layout)
         y = self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg, self.backend))
 
         y_mtp = None
         if len(self.mtp):
             ids_next = layout.roll_next(input_ids, 0)                           # [B, S]: token t+1 in the doc
             e_next = self.embed(ids_next)
-            y_mtp = checkpoint_block(self.mtp[0], X, e_next, ids_next, layout, aux) if ckpt else \
-                self.mtp[0](X, e_next, ids_next, layout, aux)                   # [B, S, d]
+            y_mtp = _run_block(ckpt, self.mtp[0], aux, X, e_next, ids_next, layout)   # [B, S, d]
 
         if return_logits:
             out = DSv4Output(logits=self.head(y), mtp_logits=None if y_mtp is None else self.head(y_mtp))
@@ -191,6 +190,22 @@ class DSv4Model(nn.Module):
 
     def float(self):
         return cast_model(self, torch.float32)
+
+
+def _run_block(ckpt: bool, block, aux: AuxLosses, *args):
+    """block(*args, aux), under whole-block recompute when `ckpt`. A checkpointed block records into its own
+    container, returned as an output (discarded with the re-run's outputs), so the re-run computes exactly what
+    the forward did -- the same graph, the same saved tensors, also under torch.compile -- and the forward's
+    terms are merged once."""
+    if not ckpt:
+        return block(*args, aux)
+
+    def run(*a):
+        local = AuxLosses(always=True)
+        return block(*a, local), local
+    y, local = checkpoint_block(run, *args)
+    aux.merge(local)
+    return y
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
