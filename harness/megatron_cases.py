@@ -74,6 +74,29 @@ class _NS:
         self.__dict__.update(kw)
 
 
+# Our kernels are token-major on a packed stream (kernels/<op>/naive.py: seg / pos per token, entries with
+# entry_seg / entry_j). A dev [S, B, ...] (SBHD) case is mapped at the edge: batch row b is one document of S
+# tokens (seg 0, pos 0..S-1), run as its own stream, and the per-row results are stacked back on dim 1.
+def _one_doc(S):
+    """(seg, pos) [S] of one document of S tokens."""
+    return torch.zeros(S, dtype=torch.long), torch.arange(S)
+
+
+def _entries(T):
+    """(entry_seg, entry_j) [T] of the T complete entries of one document (entry j = slot j)."""
+    return torch.zeros(T, dtype=torch.long), torch.arange(T)
+
+
+def _indexer_scores_sbhd(qI, kI, w, ratio):
+    """Our indexer_scores per batch row: qI [S,B,nI,cI], kI [T,B,cI], w [S,B,nI] -> I [S,B,T] fp32."""
+    from dsv4.kernels.indexer import indexer_scores
+    S, B = qI.shape[:2]
+    seg, pos = _one_doc(S)
+    es, ej = _entries(kI.shape[0])
+    return torch.stack([indexer_scores(qI[:, b], kI[:, b], w[:, b], ratio, seg, pos, es, ej)
+                        for b in range(B)], dim=1)
+
+
 # =========================================================================================== D1: compressor
 def _compressor_inputs(S, B, d, D, ratio, overlap, seed):
     """As slices/D1/cases.py: weights ~ N(0,1)/sqrt(d), ape ~ 0.3 N(0,1), h ~ N(0,1); generator seeds 1 and 2."""
@@ -86,11 +109,26 @@ def _compressor_inputs(S, B, d, D, ratio, overlap, seed):
     return {"x": x, "wkv": wkv, "wgate": wgate, "ape": ape, "ratio": ratio, "overlap": overlap, "D": D}
 
 
-def _compressor_ours(inp):
+def _compressor_sbhd(kv, gate, ape, ratio, overlap):
+    """Our compress_pool per batch row: kv / gate [S,B,coff*D] -> [S//ratio, B, D] (dev's entry count). Row b is one
+    document; its static slots number ceil(S/ratio), slot j = entry j; the trailing slot of a partial window
+    (S % ratio != 0) is empty (seg -1, value 0) and is sliced off here -- dev emits no entry for it."""
     from dsv4.kernels.compressor import compress_pool
+    S, B = kv.shape[:2]
+    seg, pos = _one_doc(S)
+    n = S // ratio
+    rows = []
+    for b in range(B):
+        comp, eseg, ej, _ = compress_pool(kv[:, b], gate[:, b], ape, ratio, overlap, seg, pos)
+        assert bool((eseg[:n] == 0).all() and (ej[:n] == torch.arange(n)).all() and (eseg[n:] < 0).all())
+        rows.append(comp[:n])
+    return torch.stack(rows, dim=1)
+
+
+def _compressor_ours(inp):
     L = {k: _leaf(inp[k]) for k in ("x", "wkv", "wgate", "ape")}
-    out = compress_pool(F.linear(L["x"], L["wkv"]), F.linear(L["x"], L["wgate"]), L["ape"], inp["ratio"],
-                        inp["overlap"])
+    out = _compressor_sbhd(F.linear(L["x"], L["wkv"]), F.linear(L["x"], L["wgate"]), L["ape"], inp["ratio"],
+                           inp["overlap"])
     return _grads({"out": out}, L)
 
 
@@ -144,13 +182,16 @@ def _compressor_thd_inputs(ratio, overlap):
 
 
 def _compressor_thd_ours(inp):
-    from dsv4.model.thd import compress_pool_thd, seg_pos_from_cu_seqlens
+    from dsv4.kernels.compressor import compress_pool
+    from dsv4.model.layout import seg_pos_from_cu_seqlens
     L = {k: _leaf(inp[k]) for k in ("x", "wkv", "wgate", "ape")}
     seg, pos = seg_pos_from_cu_seqlens(inp["cu"])
     x = L["x"][:, 0]
-    comp, _, _, _ = compress_pool_thd(F.linear(x, L["wkv"]), F.linear(x, L["wgate"]), L["ape"], inp["ratio"],
-                                      inp["overlap"], seg, pos)
-    return _grads({"out": comp.unsqueeze(1)}, L)
+    comp, eseg, _, _ = compress_pool(F.linear(x, L["wkv"]), F.linear(x, L["wgate"]), L["ape"], inp["ratio"],
+                                     inp["overlap"], seg, pos)
+    # static slots (ceil(T/ratio), in token order): the filled ones, in order, are dev's segment-major entries;
+    # the empty slots (seg -1: windows a document boundary or the stream end leaves unfilled) are dropped
+    return _grads({"out": comp[eseg >= 0].unsqueeze(1)}, L)
 
 
 def _compressor_thd_dev(inp, M):
@@ -175,6 +216,8 @@ def _compressor_thd_dev(inp, M):
 _COMP_THD_MAP = ("dev Compressor._forward_thd(self=shim, x [T, 1, d], cu_seqlens, max_seqlen_q) (eager region, "
                  "use_fused_compressor False), weights as the SBHD compressor cases, norm and _apply_rope = "
                  "identity; ours: model.thd.compress_pool_thd on seg/pos from cu_seqlens; entries segment-major")
+# (the mapping string is the golden's recorded provenance: kept verbatim; model.thd.compress_pool_thd is now
+# kernels.compressor.compress_pool, whose filled static slots are those entries)
 for _r, _ov in ((4, True), (16, False)):
     mcase(f"compressor_thd_ratio{_r}", "D5", "megatron.core.transformer.experimental_attention_variant.csa."
           "Compressor._forward_thd (+ _overlap_transform_thd)", _COMP_THD_MAP,
@@ -197,14 +240,15 @@ def _attn_thd_inputs(ratio):
 
 
 def _attn_thd_ours(inp):
-    from dsv4.model.thd import seg_pos_from_cu_seqlens, sparse_attn_thd
+    from dsv4.kernels.sparse_attn import sparse_attn
+    from dsv4.model.layout import seg_pos_from_cu_seqlens
     L = {k: _leaf(inp[k]) for k in ("q", "kv", "comp", "sink")}
     seg, pos = seg_pos_from_cu_seqlens(inp["cu"])
     n = (inp["cu_c"][1:] - inp["cu_c"][:-1]).long()
     eseg = torch.repeat_interleave(torch.arange(n.numel()), n)
     ej = torch.cat([torch.arange(int(k)) for k in n])
-    o = sparse_attn_thd(L["q"], L["kv"], torch.arange(seg.numel()), seg, pos, seg, pos, L["comp"], None, eseg, ej,
-                        L["sink"], inp["window"], inp["ratio"], inp["scale"])
+    o = sparse_attn(L["q"], L["kv"], L["comp"], None, L["sink"], inp["window"], inp["ratio"], inp["scale"], seg, pos,
+                    eseg, ej)
     return _grads({"out": o.reshape(o.shape[0], -1)}, L)
 
 
@@ -236,7 +280,7 @@ mcase("sparse_attn_thd_hca_sink", "D5", "megatron.core.transformer.experimental_
 def _attn_inputs(kind):
     """q [37, 2, 4, 32], kv [37, 2, 32], comp [T, 2, 32] (T = 9 CSA ratio 4, 2 HCA ratio 16), sink [4] ~ 0.3 N,
     window 8 (debug config); CSA picks: our indexer top-4 of seeded scores (causal, -1 = none)."""
-    from dsv4.kernels.indexer import indexer_scores, indexer_topk
+    from dsv4.kernels.indexer import indexer_topk
     S, B, H, c, win = 37, 2, 4, 32, 8
     ratio = {"window": 4, "csa": 4, "hca": 16}[kind]
     g = torch.Generator().manual_seed(3)
@@ -248,7 +292,7 @@ def _attn_inputs(kind):
     idx = None
     if kind == "csa":
         qI, kI, w = torch.randn(S, B, 2, 16, generator=g), torch.randn(T, B, 16, generator=g), torch.randn(S, B, 2, generator=g)
-        idx = indexer_topk(indexer_scores(qI, kI, w, ratio), 4)              # [S, B, 4]
+        idx = indexer_topk(_indexer_scores_sbhd(qI, kI, w, ratio), 4)        # [S, B, 4]
     return {"q": q, "kv": kv, "sink": sink, "comp": comp if kind != "window" else None, "idx": idx,
             "window": win, "ratio": ratio, "scale": c ** -0.5, "kind": kind}
 
@@ -263,8 +307,13 @@ def _attn_leaves(inp):
 def _attn_ours(inp):
     from dsv4.kernels.sparse_attn import sparse_attn
     L = _attn_leaves(inp)
-    o = sparse_attn(L["q"], L["kv"], L.get("comp"), inp["idx"], L["sink"], inp["window"], inp["ratio"], inp["scale"])
-    S, B, H, c = o.shape
+    S, B, H, c = inp["q"].shape
+    seg, pos = _one_doc(S)
+    comp = L.get("comp")
+    es, ej = _entries(comp.shape[0]) if comp is not None else (None, None)
+    o = torch.stack([sparse_attn(L["q"][:, b], L["kv"][:, b], None if comp is None else comp[:, b],
+                                 None if inp["idx"] is None else inp["idx"][:, b], L["sink"], inp["window"],
+                                 inp["ratio"], inp["scale"], seg, pos, es, ej) for b in range(B)], dim=1)
     return _grads({"out": o.reshape(S, B, H * c)}, L)
 
 
@@ -325,12 +374,15 @@ def _layer_ours(inp):
     attn, h = _our_layer(inp)
     L = {"h": _leaf(h)}
     cap = {}
-    if inp["li"] == 1:   # the indexer's (scores [S,B,T], picks [S,B,k]), read by a hook (the model keeps no scores)
+    if inp["li"] == 1:   # the indexer's (scores [S,N], picks [S,k], entry_seg, entry_j), read by a hook (the
+        # model keeps no scores); B = 1: one stream of S tokens, N = ceil(S/4) static entry slots
         attn.indexer.register_forward_hook(lambda mod, args, out: cap.update(scores=out[0], picks=out[1]))
     out = attn(L["h"]).transpose(0, 1)                                   # [S, 1, d]
     if inp["li"] != 1:
         return _grads({"out": out}, L)
-    return _layer_tie_outputs(out.detach(), cap["picks"][:, 0], cap["scores"][:, 0])
+    n = inp["S"] // 4        # dev's T = S // ratio entries: the trailing empty slot (score -inf, never picked) is cut
+    assert bool((cap["picks"] < n).all())
+    return _layer_tie_outputs(out.detach(), cap["picks"], cap["scores"][:, :n])
 
 
 def _layer_tie_outputs(out, picks, scores):
@@ -454,9 +506,9 @@ def _indexer_inputs():
 
 
 def _indexer_ours(inp):
-    from dsv4.kernels.indexer import indexer_scores, indexer_topk
+    from dsv4.kernels.indexer import indexer_topk
     L = {k: _leaf(inp[k]) for k in ("qI", "kI", "w")}
-    I = indexer_scores(L["qI"], L["kI"], L["w"], inp["ratio"])                     # [S, B, T]
+    I = _indexer_scores_sbhd(L["qI"], L["kI"], L["w"], inp["ratio"])               # [S, B, T]
     picks = indexer_topk(I, inp["k"])                                                # [S, B, k]
     res = _grads({"scores": I.transpose(0, 1)}, L)
     res.update(_topk_outputs(res["scores"], picks.transpose(0, 1)))
@@ -517,20 +569,23 @@ def _iloss_inputs(sparse):
 
 
 def _iloss_ours(inp):
-    from dsv4.kernels.indexer import indexer_scores, indexer_topk
+    from dsv4.kernels.indexer import indexer_topk
     from dsv4.kernels.indexer.naive import causal_entry_mask
     from dsv4.model.indexer import candidates_from_idx, indexer_kl_loss, indexer_teacher
     L = {k: _leaf(inp[k]) for k in ("qI", "kI", "w")}
     S, B = inp["q"].shape[:2]
     T = inp["comp"].shape[0]
-    I = indexer_scores(L["qI"], L["kI"], L["w"], inp["ratio"])                        # [S, B, T]
+    I = _indexer_scores_sbhd(L["qI"], L["kI"], L["w"], inp["ratio"])                  # [S, B, T]
     picks = indexer_topk(I, inp["k"])
+    seg, pos = _one_doc(S)
     if inp["sparse"]:
         cand, idx = candidates_from_idx(picks, T), picks
     else:
-        cand, idx = causal_entry_mask(S, T, inp["ratio"])[:, None, :].expand(S, B, T), None
-    target = indexer_teacher(inp["q"], inp["kv"], inp["comp"], cand, inp["sink"], inp["window"], inp["scale"],
-                             "joint", idx=idx)
+        cand = causal_entry_mask(seg, pos, *_entries(T), inp["ratio"])[:, None, :].expand(S, B, T)
+        idx = None
+    target = torch.stack([indexer_teacher(inp["q"][:, b], inp["kv"][:, b], inp["comp"][:, b], cand[:, b], inp["sink"],
+                                          inp["window"], inp["scale"], "joint", seg, pos,
+                                          idx=None if idx is None else idx[:, b]) for b in range(B)], dim=1)
     loss = indexer_kl_loss(I, target, cand)
     rows = cand.any(-1).sum()
     res = _grads({"loss": (loss * rows / (S * B)).reshape(1)}, L)   # dev's mean is over ALL S*B rows (manifest)

@@ -49,14 +49,15 @@ def main(path: str) -> None:
           f", max|out| {float(d['out'].float().abs().max()):.2f}")
     ci = MC._compressor_inputs(3, 1, 64, 32, 4, True, 1)
     shim_out = _dev_compressor_raw(ci, M)
-    from dsv4.kernels.compressor import compress_pool
     print(f"compressor S=3 < ratio 4: dev returns {shim_out!r}; ours "
-          f"{tuple(compress_pool(ci['x'] @ ci['wkv'].T, ci['x'] @ ci['wgate'].T, ci['ape'], 4, True).shape)}")
+          f"{tuple(MC._compressor_sbhd(ci['x'] @ ci['wkv'].T, ci['x'] @ ci['wgate'].T, ci['ape'], 4, True).shape)}")
     from dsv4.kernels.sparse_attn import sparse_attn
     ai = MC._attn_inputs("hca")
     S, B = ai["q"].shape[:2]
     win = M.csa.get_window_topk_idxs(8, B, S, torch.device("cpu"))
-    oo = sparse_attn(ai["q"], ai["kv"], None, None, ai["sink"], 8, 16, ai["scale"]).reshape(S, B, -1)
+    seg, pos = MC._one_doc(S)          # each batch row one document (our kernels are token-major)
+    oo = torch.stack([sparse_attn(ai["q"][:, b], ai["kv"][:, b], None, None, ai["sink"], 8, 16, ai["scale"], seg, pos)
+                      for b in range(B)], dim=1).reshape(S, B, -1)
     dup = torch.cat([win, win[..., -1:]], -1).int()
     od = M.csa.unfused_compressed_sparse_attn(ai["q"], ai["kv"], ai["sink"], dup, ai["scale"])
     fut = win.clone()
