@@ -50,21 +50,25 @@ def fp4_fake_quant(x: torch.Tensor, block: int = 32, rule: str = "ue8m0") -> tor
     return quantize(x, "e2m1", (1, block), rule).dequantize(torch.promote_types(x.dtype, torch.float32))
 
 
-def indexer_scores_fp4(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: int, rotate: bool = True,
+def indexer_scores_fp4(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: int, seg_q: torch.Tensor,
+                       pos_q: torch.Tensor, entry_seg: torch.Tensor, entry_j: torch.Tensor, rotate: bool = True,
                        quant: bool = True, score_dtype: torch.dtype | None = torch.bfloat16,
                        block: int = 32) -> torch.Tensor:
-    """qI [S,B,nI,cI] (after RoPE), kI [T,B,cI], w [S,B,nI] -> I [S,B,T] in `score_dtype` (None: fp32).
-    rotate / quant switch the Hadamard rotation and the FP4 quantisation (both on = DeepSeek's path)."""
+    """qI [Tq,nI,cI] (after RoPE), kI [N,cI], w [Tq,nI] + document metadata (seg_q, pos_q [Tq]; entry_seg,
+    entry_j [N]; as kernels/indexer `indexer_scores`) -> I [Tq,N] in `score_dtype` (None: fp32), -inf where not
+    visible. rotate / quant switch the Hadamard rotation and the FP4 quantisation (both on = DeepSeek's path);
+    both act per token / per entry along c_I only, so the packing does not change them."""
     if rotate:
         qI, kI = rotate_activation(qI.float()), rotate_activation(kI.float())
     if quant:
         qI, kI = fp4_fake_quant(qI, block), fp4_fake_quant(kI, block)
-    I = indexer_scores(qI, kI, w, ratio)
+    I = indexer_scores(qI, kI, w, ratio, seg_q, pos_q, entry_seg, entry_j)
     return I if score_dtype is None else I.to(score_dtype)
 
 
 def topk_recall(I_test: torch.Tensor, I_ref: torch.Tensor, k: int) -> float:
-    """Mean over (t, b) rows with >= 1 causal entry of |TopK(test) ∩ TopK(ref)| / |TopK(ref)| (-1s ignored)."""
+    """Mean over query rows (I [..., N]) with >= 1 visible entry of |TopK(test) ∩ TopK(ref)| / |TopK(ref)|
+    (-1s ignored)."""
     a = indexer_topk(I_test.float(), k)
     r = indexer_topk(I_ref.float(), k)
     T = I_ref.shape[-1]
