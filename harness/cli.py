@@ -338,6 +338,22 @@ def import_megatron_cmd(megatron_lm, sid, as_json):
         emit_json({"platform": MI.PLATFORM, "written": written})
 
 
+# ------------------------------------------------------------------------------------------- NVIDIA's Muon
+@goldens_grp.command("import-muon")
+@click.option("--python", "python", default="/work/venv-eo/bin/python", show_default=True,
+              help="An interpreter with emerging-optimizers==0.3.0 installed (its own venv, see harness/muon_import.py).")
+@click.option("--json", "as_json", is_flag=True)
+def import_muon_cmd(python, as_json):
+    """Run NVIDIA emerging-optimizers' newton_schulz / Muon on our cases; write goldens/emerging-optimizers/D9/."""
+    from dsv4.harness import muon_import as MU
+    try:
+        written = MU.import_muon(python, log=lambda m: click.echo(m, err=True))
+    except MU.MuonImportError as e:
+        raise BadInput(str(e)) from None
+    if as_json:
+        emit_json({"platform": MU.PLATFORM, "written": written})
+
+
 def _verify_against_megatron(sid, report_dir, as_json):
     """`dsv4 verify --against megatron-dev`: ours vs the imported dev goldens (no Megatron checkout needed)."""
     from dsv4.harness import megatron_import as MI
