@@ -38,7 +38,7 @@ def build_ours(cfg, backend: str, device, compile_: bool = False):
 
 def build_hf(cfg, device, compile_: bool):
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-    from dsv4.model.convert import config_to_hf
+    from dsv4.model.interop.hf_config import config_to_hf
     d = config_to_hf(cfg)
     d.pop("dsv4_config", None)
     d.pop("architectures", None)

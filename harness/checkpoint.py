@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from dsv4.harness.errors import one_line
-from dsv4.model.convert import CheckpointError, read_safetensors   # one error class for every checkpoint
+from dsv4.model.interop.common import CheckpointError, read_safetensors   # one error class for every checkpoint
 
 # meta.json fields and their JSON types (checked on load when present; `dsv4 train --resume` needs them all)
 META_TYPES = {"step": int, "seed": int, "config_hash": str, "recipe": dict, "history": list,

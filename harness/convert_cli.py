@@ -1,5 +1,5 @@
 """`dsv4 convert SRC DST [--from auto|hf|official|megatron|train] --to hf|official|megatron [--json]` (checkpoint
-interop, model/convert.py).
+interop, model/interop/).
 
 `--from auto` (the default): a `dsv4 train` run (its dir, `checkpoints/`, or a step dir) is read as `train`
 (its meta.json carries the model config), anything else as `hf`.
@@ -20,7 +20,7 @@ def load_train(src: str):
     """The model of a `dsv4 train` checkpoint (the newest complete step under `src`), weights and buffers."""
     from dsv4.harness.checkpoint import latest_checkpoint, read_meta
     from dsv4.model.config import DSv4Config
-    from dsv4.model.convert import CheckpointError, check_field_types, load_checked, read_safetensors
+    from dsv4.model.interop.common import CheckpointError, check_field_types, load_checked, read_safetensors
     from dsv4.model.model import DSv4Model
     d = latest_checkpoint(src)
     meta = read_meta(d)
@@ -56,7 +56,7 @@ def convert_cmd(src, dst, src_format, dst_format, clamp_shared, as_json):
     """Convert a DSv4 checkpoint directory (config.json + safetensors, or a `dsv4 train` checkpoint) between
     HF and official naming."""
     from dsv4.model.config import ConfigError
-    from dsv4.model.convert import CheckpointError, convert
+    from dsv4.model.interop import CheckpointError, convert
     try:
         if src_format == "auto":
             src_format = "train" if _is_train_checkpoint(src) else "hf"

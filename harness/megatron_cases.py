@@ -403,7 +403,7 @@ def _layer_tie_outputs(out, picks, scores):
 def _layer_dev(inp, M):
     attn_ours, h = _our_layer(inp)
     dev = _dev_attention(M, inp["li"])
-    from dsv4.model import convert as CV
+    from dsv4.model.interop import megatron as CV
     names = {o[len("attn."):]: m[len("self_attention."):] for o, m in CV._MEG_ATTN if o.startswith("attn.")}
     sd = {names[k]: v for k, v in attn_ours.state_dict().items()}        # KeyError = a name convert lacks
     missing, unexpected = dev.load_state_dict(sd, strict=False)
@@ -450,7 +450,7 @@ def _dev_attention(M, li):
     from megatron.core.transformer.spec_utils import build_module
 
     from dsv4.model.config import get_config
-    from dsv4.model.megatron_config import to_megatron_config
+    from dsv4.model.interop.megatron_config import to_megatron_config
     if not dist.is_initialized():
         sk = socket.socket()
         sk.bind(("127.0.0.1", 0))
@@ -791,7 +791,7 @@ def _rope_dev(inp, M):
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
     from dsv4.model.config import get_config
-    from dsv4.model.megatron_config import to_megatron_config
+    from dsv4.model.interop.megatron_config import to_megatron_config
     mc = to_megatron_config(get_config("debug"))               # the config map feeds dev's rope modules
     r = mc["qk_pos_emb_head_dim"]
     cfg = M.MLATransformerConfig(num_layers=1, hidden_size=mc["hidden_size"], num_attention_heads=4,
@@ -915,7 +915,7 @@ def _hash_layers_dev(inp, M):
     from megatron.core.transformer.moe.router import TopKRouter
 
     from dsv4.model.config import get_config
-    from dsv4.model.megatron_config import to_megatron_config
+    from dsv4.model.interop.megatron_config import to_megatron_config
     _dev_attention(M, 0)                                        # initialises the gloo world of one (once)
     cfg = get_config(inp["name"])
     pg = ProcessGroupCollection.use_mpu_process_groups()

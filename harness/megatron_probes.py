@@ -124,7 +124,7 @@ def packed_layer_probe(M, lens=(37, 29, 45)):
     from dsv4.harness import megatron_cases as MC
     attn_ours, _ = MC._our_layer({"li": 1, "S": 37})
     dev = MC._dev_attention(M, 1)
-    from dsv4.model import convert as CV
+    from dsv4.model.interop import megatron as CV
     names = {o[len("attn."):]: m[len("self_attention."):] for o, m in CV._MEG_ATTN if o.startswith("attn.")}
     dev.load_state_dict({names[k]: v for k, v in attn_ours.state_dict().items()}, strict=False)
     g = torch.Generator().manual_seed(11)

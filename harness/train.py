@@ -50,7 +50,7 @@ from dsv4.harness.data import DataError, GPTSamples, IndexedTokens, build_text_d
 from dsv4.harness.flops import flops_per_token
 from dsv4.harness.optim import build_optimizer, lr_at
 from dsv4.model.config import ConfigError, DSv4Config, get_config
-from dsv4.model.convert import load_checked
+from dsv4.model.interop.common import load_checked
 
 # Metrics written to golden_values.json: Megatron's exported set plus "indexer loss" -- the ones the harness's
 # threshold table (harness/thresholds.py) judges. Everything else (grad-norm, moe aux loss, tokens/s, TFLOP/s,

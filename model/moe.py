@@ -14,7 +14,7 @@ so routing is deterministic and independent of E's memory layout.
 
 Routed experts are STACKED parameters (HF layout, so HF conversion is a rename and grouped GEMMs can use them
 directly): `experts.w13` [E, 2f, d] = per expert cat(w1, w3) along rows, `experts.w2` [E, d, f]. The official
-per-expert `ffn.experts.{e}.w1|w2|w3.weight` are produced / consumed by `model/convert.py`.
+per-expert `ffn.experts.{e}.w1|w2|w3.weight` are produced / consumed by `model/interop/official.py`.
 
 Load balancing (spec §9.4, training only): auxiliary-loss-free expert bias updated outside the gradient by
 `update_expert_bias()` (b_e += gamma * sign(mean_load - load_e), from the token counts accumulated since the

@@ -41,7 +41,7 @@ def one_line_exit_2(r, *needles):
 def run(tmp_path_factory):
     """A 2-step debug run with its checkpoint, and a debug model's HF export."""
     from dsv4.model.config import get_config
-    from dsv4.model.convert import to_hf
+    from dsv4.model.interop.hf import to_hf
     from dsv4.model.model import DSv4Model
     d = tmp_path_factory.mktemp("bad_input")
     r = CliRunner().invoke(train_cmd, ["--recipe", "debug", "--steps", "2", "--save-interval", "2",

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from dsv4.harness import megatron_import as MI
 from dsv4.harness.registry import REPO
-from dsv4.model import megatron_config as MCF
+from dsv4.model.interop import megatron_config as MCF
 from dsv4.model.config import ConfigError, get_config
 
 
@@ -70,7 +70,8 @@ def test_refuses_a_csa_ratio_megatron_cannot_express():
 
 def test_convert_cli_to_and_from_megatron(tmp_path):
     from dsv4.harness.cli import main
-    from dsv4.model.convert import _build, save_official
+    from dsv4.model.interop.common import _build
+    from dsv4.model.interop.official import save_official
     torch.manual_seed(0)
     model = _build(get_config("debug"))
     save_official(model, str(tmp_path / "off"))

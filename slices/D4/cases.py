@@ -44,7 +44,7 @@ def hf_round_trip_logits():
     import tempfile
 
     from dsv4.model.config import get_config
-    from dsv4.model.convert import from_hf, to_hf
+    from dsv4.model.interop.hf import from_hf, to_hf
     from dsv4.model.model import DSv4Model
     torch.manual_seed(0)
     m = DSv4Model(get_config("debug", shared_expert_clamp=True)).eval()

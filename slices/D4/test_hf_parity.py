@@ -19,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
 
-from dsv4.model.convert import (CheckpointError, from_hf, load_official, save_official,  # noqa: E402
+from dsv4.model.interop import (CheckpointError, from_hf, load_official, save_official,  # noqa: E402
                                 to_hf)
 
 LOGIT_ATOL = 1e-5
@@ -227,7 +227,7 @@ GRAD_RTOL_OF_MAX = 1e-4     # per tensor: max |g_hf - g_ours| <= 1e-4 * max |g_h
 @pytest.mark.parametrize("name", list(CASES))
 def test_grads_match_hf(converted, name):
     """d(sum(logits * R))/d(every parameter) equals HF's (names mapped; stacked experts identical)."""
-    from dsv4.model.convert import hf_to_ours_name
+    from dsv4.model.interop.hf import hf_to_ours_name
     hf, ours, _ = converted[name]
     hf.zero_grad(set_to_none=True)
     ours.zero_grad(set_to_none=True)
@@ -282,7 +282,7 @@ def test_yarn_attention_factor_matches_hf(tmp_path):
 
 def test_yarn_attention_factor_derived_like_hf():
     """A nested compress dict without the key (or an explicit null) gets HF's derived 0.1 ln(factor) + 1."""
-    from dsv4.model.convert import config_from_hf, config_to_hf
+    from dsv4.model.interop.hf_config import config_from_hf, config_to_hf
     from dsv4.model.config import get_config
     d = config_to_hf(get_config("debug"))
     d.pop("dsv4_config")

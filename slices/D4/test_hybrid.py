@@ -90,7 +90,7 @@ def test_pattern_model_with_dense_layers_runs_and_counts():
 def test_hub_style_config_json_gives_flash():
     """A DeepSeek-V4-Flash hub-style config.json (legacy compress_ratios incl. the MTP entry, flat rope_scaling,
     num_hash_layers) maps to exactly our `flash` config; HF-style config_to_hf -> config_from_hf is identity."""
-    from dsv4.model.convert import config_from_hf, config_to_hf
+    from dsv4.model.interop.hf_config import config_from_hf, config_to_hf
     hub = dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64, head_dim=512,
                qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, sliding_window=128,
                compress_ratios=[0, 0] + [4, 128] * 20 + [4] + [0], index_n_heads=64, index_head_dim=128,
@@ -117,7 +117,7 @@ def _meg_cases():
 def test_megatron_keys_are_devs(name):
     """`ours_to_megatron` gives exactly the state_dict keys, shapes and dtypes of Megatron-LM dev's HybridModel
     (megatron_dev_keys.json: provenance inside; derived from dev's constructors, not from our names)."""
-    from dsv4.model.convert import ours_to_megatron
+    from dsv4.model.interop.megatron import ours_to_megatron
     with open(MEGATRON_KEYS) as fh:
         doc = json.load(fh)
     assert doc["provenance"]["commit"].startswith("d48bd6be0a")
@@ -145,7 +145,7 @@ def test_megatron_keys_fixture_is_what_the_derivation_gives():
 def test_megatron_values_and_round_trip(layout):
     """Values land where dev reads them (fc1 = cat(w1, w3), mHC base -> bias, scale -> alphas, tid2eid int32) and
     megatron_to_ours inverts ours_to_megatron bit-exactly, dtypes included; 'gpt' is the GPTModel / Bridge alias."""
-    from dsv4.model.convert import megatron_to_ours, ours_to_megatron
+    from dsv4.model.interop.megatron import megatron_to_ours, ours_to_megatron
     cfg = parse_pattern("WEC-/WE", "debug").cfg
     torch.manual_seed(0)
     sd = build_model(cfg).state_dict()
@@ -176,7 +176,7 @@ def test_megatron_values_and_round_trip(layout):
 
 
 def test_megatron_bad_names_refused():
-    from dsv4.model.convert import CheckpointError, megatron_to_ours, ours_to_megatron
+    from dsv4.model.interop.megatron import CheckpointError, megatron_to_ours, ours_to_megatron
     torch.manual_seed(0)
     meg = ours_to_megatron(build_model(get_config("debug")).state_dict())
     meg["decoder.layers.0.hyper_connection.mapping_proj.bias"] = meg.pop("decoder.layers.0.hyper_connection.bias")

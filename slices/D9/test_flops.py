@@ -163,7 +163,7 @@ def test_counts_and_6n_against_real_modules(name):
 
 def test_counts_against_hf_meta_model():
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-    from dsv4.model.convert import config_to_hf
+    from dsv4.model.interop.hf_config import config_to_hf
     # Flash widths (d 4096, 64 x 512 heads, 256 experts) with 5 layers (SWA, SWA, CSA, HCA, CSA)
     for cfg in (get_config("flash", num_hidden_layers=5), get_config("tiny")):
         d = {k: v for k, v in config_to_hf(cfg).items() if k not in ("dsv4_config", "architectures", "model_type")}

@@ -330,7 +330,7 @@ def test_every_run_is_checkpointed_and_converts(tmp_path):
     from dsv4.harness.convert_cli import convert_cmd
     from dsv4.harness.goldens import config_hash
     from dsv4.harness.train import RECIPES
-    from dsv4.model.convert import from_hf, load_official
+    from dsv4.model.interop import from_hf, load_official
     A = tmp_path / "A"
     _run(["--recipe", "debug", "--steps", "2", "--out", str(A), "--json"])   # no --save-interval
     assert open(A / "checkpoints" / "latest").read() == "step_000002"

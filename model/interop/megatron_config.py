@@ -1,6 +1,6 @@
 """Our config fields <-> Megatron-Core's (Megatron-LM dev d48bd6be0a `MLATransformerConfig`), in ONE table.
 
-Used by `to_megatron_config` / `from_megatron_config`, by `model/convert.py`'s Megatron saver and by
+Used by `to_megatron_config` / `from_megatron_config`, by `model/interop/megatron.py`'s saver and by
 `dsv4 convert --to megatron`. Every Megatron name here is a field of dev's `MLATransformerConfig` (checked by
 harness/tests/test_megatron_config.py against goldens/megatron-dev/D4/transformer_config_fields.json, the field
 list of dev's real dataclass written by `dsv4 goldens import-megatron`).
@@ -22,7 +22,7 @@ Conversions that are not a rename:
 """
 from __future__ import annotations
 
-from .config import ConfigError, DSv4Config
+from dsv4.model.config import ConfigError, DSv4Config
 
 # (our field, Megatron field, note). Plain renames first; the special ones are handled in code below.
 FIELD_MAP: list[tuple[str, str, str]] = [
