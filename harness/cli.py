@@ -111,6 +111,7 @@ def slices_cmd(as_json):
         cov = {p: G.coverage(p, s.name) for p in PLATFORMS}
         rows.append({"id": s.id, "title": s.title, "kind": s.kind, "status": s.status, "depends_on": s.depends_on,
                      "dependents": reg.dependents(s.id), "provenance": s.provenance, "files": s.files,
+                     "touches": s.touches,
                      "tests": s.tests, "golden_cases": s.golden_cases,
                      "n_checks": len(s.tests) + len(s.golden_cases), "golden_coverage": cov, "waiver": s.waiver})
     if as_json:

@@ -7,10 +7,19 @@ mistyped field, a duplicate id, an unknown dependency, a cycle (printed), an unk
     [[waiver]]
     dependency = "P11"
     reason = "why the slice's checks do not need it"
+
+Files follow the slices: `files` lists what a slice introduces and `touches` (optional) what it extends, e.g.
+P5's clamp in `model/moe.py`, which P4 introduces. Both must exist; a file is in the `files` of at most one
+slice (a duplicate is refused naming both slices), is not in one slice's `files` and `touches` at once, and a
+touched file is introduced by another slice. `unowned_sources()` lists the tracked .py files under
+OWNED_ROOTS (model/ and kernels/) that no slice lists in `files` or `tests`; harness/tests/test_registry.py
+requires it empty. harness/ is left out: its verification tooling (CLI, registry, goldens, verify, reports)
+belongs to no slice.
 """
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -18,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 SLICES_DIR = REPO / "slices"
 PLATFORMS = ("cpu", "h200", "h100", "gb200")
 STATUSES = ("planned", "implemented", "verified")
+OWNED_ROOTS = ("model", "kernels")   # every tracked .py here is in some slice's files (or tests)
 KINDS = ("external", "prerequisite", "dsv4", "extension")   # extension: X1, X2, ... beyond the merge plan
 
 # field -> python type it must have
@@ -28,7 +38,7 @@ REQUIRED = {
 
 
 # optional manifest fields: a note on the edges, and the differences found between implementations
-OPTIONAL = {"depends_on_note": str, "differences": list}
+OPTIONAL = {"depends_on_note": str, "differences": list, "touches": list}
 # a [[differences]] entry: what differs, what Megatron-LM dev does, what we do, which side we follow and why
 DIFF_REQUIRED = ("what", "dev", "ours", "follow", "why")
 DIFF_OPTIONAL = ("hf", "official", "measured", "checked_by")
@@ -55,6 +65,7 @@ class Slice:
     depends_on_note: str = ""
     waiver: list = dataclasses.field(default_factory=list)    # [{dependency, reason}]
     differences: list = dataclasses.field(default_factory=list)
+    touches: list = dataclasses.field(default_factory=list)   # files introduced by another slice, extended here
 
     def waived(self, dep: str) -> str | None:
         return next((w["reason"] for w in self.waiver if w["dependency"] == dep), None)
@@ -110,10 +121,20 @@ def _load_manifest(path: Path) -> Slice:
     unknown_pf = set(data["status"]) - set(PLATFORMS)
     if unknown_pf:
         raise RegistryError(f"{rel}: status has unknown platform '{sorted(unknown_pf)[0]}'")
-    for field in ("files", "tests"):
-        for f in data[field]:
+    for field in ("files", "tests", "touches"):
+        seen = set()
+        for f in data.get(field, []):
+            if not isinstance(f, str):
+                raise RegistryError(f"{rel}: field '{field}' must list paths (strings), got {f!r}")
+            if f in seen:
+                raise RegistryError(f"{rel}: field '{field}' lists {f} twice")
+            seen.add(f)
             if not (REPO / f).exists():
                 raise RegistryError(f"{rel}: field '{field}' lists {f}, which does not exist")
+    both = sorted(set(data["files"]) & set(data.get("touches", [])))
+    if both:
+        raise RegistryError(f"{rel}: {both[0]} is in both 'files' and 'touches' (a slice introduces a file or "
+                            f"extends it, not both)")
     for i, w in enumerate(data.get("waiver", [])):
         if not isinstance(w, dict) or set(w) != {"dependency", "reason"} or not all(
                 isinstance(v, str) and v.strip() for v in w.values()):
@@ -158,6 +179,17 @@ class Registry:
                 raise RegistryError(
                     f"duplicate slice id {s.id!r} in {_rel(s.folder)} and {_rel(self.slices[s.id].folder)}")
             self.slices[s.id] = s
+        self.owner: dict[str, str] = {}      # file -> the slice whose `files` introduce it
+        for s in slices:
+            for f in s.files:
+                if f in self.owner:
+                    raise RegistryError(f"{f} is in 'files' of both slice {self.owner[f]} and slice {s.id} (one "
+                                        f"slice introduces it; list it in the other's 'touches')")
+                self.owner[f] = s.id
+        for s in slices:
+            for f in s.touches:
+                if f not in self.owner:
+                    raise RegistryError(f"slice {s.id}: 'touches' lists {f}, which no slice's 'files' introduces")
         for s in slices:
             for d in s.depends_on:
                 if d not in self.slices:
@@ -180,6 +212,18 @@ class Registry:
         if not paths:
             raise RegistryError(f"{root}: no slice manifests found")
         return cls([_load_manifest(p) for p in paths])
+
+    # ---------------------------------------------------------------- files
+    def unowned_sources(self, roots: tuple[str, ...] = OWNED_ROOTS) -> list[str]:
+        """Tracked .py files under `roots` (git ls-files; every .py outside __pycache__ when git is missing)
+        that no slice lists in 'files' or 'tests'."""
+        try:
+            out = subprocess.run(["git", "-C", str(REPO), "ls-files", "--", *roots], capture_output=True,
+                                 text=True, check=True).stdout.split()
+        except (OSError, subprocess.CalledProcessError):
+            out = [_rel(p) for r in roots for p in (REPO / r).rglob("*.py") if "__pycache__" not in p.parts]
+        listed = {f for s in self.slices.values() for f in s.files + s.tests}
+        return sorted(f for f in out if f.endswith(".py") and f not in listed)
 
     # ---------------------------------------------------------------- lookups
     def get(self, sid: str) -> Slice:

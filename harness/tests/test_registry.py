@@ -56,6 +56,7 @@ def _copy(tmp_path) -> Path:
         import re
         txt = re.sub(r"(?m)^files = \[.*?\]$", "files = []", txt, flags=re.S)
         txt = re.sub(r"(?m)^tests = \[.*?\]$", "tests = []", txt, flags=re.S)
+        txt = re.sub(r"(?m)^touches = \[.*?\]$", "touches = []", txt, flags=re.S)
         m.write_text(txt)
     return root
 
@@ -161,3 +162,53 @@ def test_slices_table_is_on_stdout_and_shows_waivers():
     d9 = [ln for ln in r.stdout.splitlines() if ln.lstrip().startswith("D9 ")]      # `dsv4 slices | grep D9`
     assert len(d9) == 1 and "P11" in d9[0]                                          # the waived column
     assert any(ln.startswith("waiver: D8 is checked without P11: ") for ln in r.stdout.splitlines())
+
+
+# ------------------------------------------------------------------ files / touches
+
+
+def test_real_manifests_own_every_model_and_kernel_file():
+    """Every tracked .py under model/ and kernels/ is introduced ('files') or tested ('tests') by some slice;
+    each file is in one slice's 'files'; what a slice extends is in its 'touches' (P5's clamp in P4's moe.py)."""
+    reg = Registry.load()
+    assert reg.unowned_sources() == []
+    assert reg.owner["model/moe.py"] == "P4" and "model/moe.py" in reg.slices["P5"].touches
+    assert all(reg.owner[f] != sid for sid, s in reg.slices.items() for f in s.touches)
+    assert {f for f in reg.owner if f.startswith("model/interop/")} == {
+        f"model/interop/{n}.py" for n in ("__init__", "common", "hf_config", "hf", "official", "megatron",
+                                          "megatron_config")}
+
+
+def test_unowned_sources_names_an_unlisted_file(tmp_path):
+    root = _copy(tmp_path)              # files / tests emptied: every model / kernels source is unowned
+    un = Registry.load(root).unowned_sources()
+    assert "model/moe.py" in un and "model/interop/hf.py" in un and all(f.endswith(".py") for f in un)
+
+
+def test_refuses_a_file_in_two_slices_files(tmp_path):
+    root = _copy(tmp_path)
+    _edit(root, "P4", "files = []", 'files = ["model/moe.py"]')
+    _edit(root, "P5", "files = []", 'files = ["model/moe.py"]')
+    with pytest.raises(RegistryError, match=r"^model/moe\.py is in 'files' of both slice P4 and slice P5 "):
+        Registry.load(root)
+
+
+def test_refuses_missing_or_unintroduced_touches(tmp_path):
+    root = _copy(tmp_path)
+    _edit(root, "P5", "touches = []", 'touches = ["model/no_such_file.py"]')
+    with pytest.raises(RegistryError, match=r"P5/manifest.toml: field 'touches' lists model/no_such_file.py, "
+                                            r"which does not exist$"):
+        Registry.load(root)
+    _edit(root, "P5", 'touches = ["model/no_such_file.py"]', 'touches = ["model/moe.py"]')
+    with pytest.raises(RegistryError, match=r"^slice P5: 'touches' lists model/moe.py, which no slice's 'files' "
+                                            r"introduces$"):
+        Registry.load(root)
+    _edit(root, "P4", "files = []", 'files = ["model/moe.py"]')
+    assert Registry.load(root).slices["P5"].touches == ["model/moe.py"]
+
+
+def test_refuses_a_file_both_introduced_and_touched(tmp_path):
+    root = _copy(tmp_path)
+    _edit(root, "P4", "files = []", 'files = ["model/moe.py"]\ntouches = ["model/moe.py"]')
+    with pytest.raises(RegistryError, match=r"P4/manifest.toml: model/moe.py is in both 'files' and 'touches'"):
+        Registry.load(root)
