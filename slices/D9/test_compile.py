@@ -14,6 +14,9 @@ from dsv4.kernels._testing import CUDA, use_interpreter
 
 use_interpreter()
 
+import os  # noqa: E402
+import tempfile  # noqa: E402
+
 import torch  # noqa: E402
 
 from dsv4.model import moe  # noqa: E402
@@ -21,6 +24,10 @@ from dsv4.model.config import get_config  # noqa: E402
 from dsv4.model.model import DSv4Model  # noqa: E402
 
 torch._inductor.config.compile_threads = 1        # no compile worker pool on the 2-core machine
+# A private Inductor cache per test process: the shared /tmp/torchinductor_<user> cache is keyed on code and
+# config, and kernels built by another process (another ATEN_CPU_CAPABILITY, another checkout) were seen to be
+# loaded here and fail ("tuple args required") when two test runs overlapped.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dsv4-inductor-")
 # Under ATEN_CPU_CAPABILITY=default (a simulated host without AVX, harness/numerics.py) torch 2.13's Inductor still
 # emits at::vec code that the headers then do not declare (CppCompileError "'at::vec' has not been declared"):
 # compile scalar C++ there (simdlen 1 = no vectorisation), as ATen itself runs scalar kernels on such a host.
