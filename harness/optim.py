@@ -19,6 +19,12 @@ updated with Muon"). Our choices where the report is silent, stated here and in 
     other 1-D tensor -> AdamW without weight decay (they are biases / positional offsets, not linear maps);
   * stacked routed experts [E, out, in] -> Muon, orthogonalised per expert (batched NS over the first axis);
     a fused `w13` ([E, 2f, d] = w1 over w3) is orthogonalised as its two matrices w1 and w3 separately.
+
+Sharded parameters (FSDP2 DTensors, model/parallel): Newton–Schulz needs whole matrices, so each sharded
+update is all-gathered (`full_tensor`), every rank runs NS on the whole matrix (the same fp ops on the same
+data: bit-identical results) and keeps its own shard of O; the momentum stays sharded (a DTensor, so DCP
+reshards it). Every rank repeats the whole NS work: Megatron's layer-wise distribution (each rank owning
+whole matrices) is not implemented.
 """
 from __future__ import annotations
 
@@ -48,6 +54,11 @@ def hybrid_newton_schulz(G: torch.Tensor, steps=NS_STEPS, eps: float = 1e-7,
     if transpose:
         X = X.mT
     return X.to(G.dtype)
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
 
 
 class Muon(torch.optim.Optimizer):
@@ -87,6 +98,8 @@ class Muon(torch.optim.Optimizer):
                 buf = st["momentum_buffer"]
                 buf.mul_(mu).add_(grad)                                   # M_t = mu M_{t-1} + G_t
                 upd = grad.add(buf, alpha=mu) if g["nesterov"] else buf  # mu M_t + G_t
+                if _is_dtensor(upd):                                      # FSDP2 shard: NS needs whole
+                    upd = upd.full_tensor()                               # matrices (all-gather the update)
                 k = self.split.get(p, 1)                                  # fused [.., k*n, m] -> k matrices
                 n, m = p.shape[-2] // k, p.shape[-1]
                 todo.append((p, [u.reshape(-1, n, m) for u in upd.split(n, dim=-2)]))
@@ -104,6 +117,9 @@ class Muon(torch.optim.Optimizer):
                 n, m = mats[0].shape[-2:]
                 O = torch.cat([out[i, j].reshape(*p.shape[:-2], n, m) for j in range(len(mats))], dim=-2)
                 O = O * (math.sqrt(max(n, m)) * g["update_rms"])
+                if _is_dtensor(p):                                        # every rank computed the same
+                    from torch.distributed.tensor import distribute_tensor    # whole O: keep its own shard
+                    O = distribute_tensor(O, p.device_mesh, p.placements, src_data_rank=None)
                 p.mul_(1 - lr * wd)
                 p.add_(O.to(p.dtype), alpha=-lr)
         return loss
@@ -111,7 +127,7 @@ class Muon(torch.optim.Optimizer):
 
 # ------------------------------------------------------------------------------------------- groups
 # AdamW groups (name -> weight decay applies?) ; every parameter lands in exactly one group.
-ADAMW_GROUPS = ("adamw_embedding", "adamw_head", "adamw_norm", "adamw_mhc_base_scale", "adamw_attn_sink",
+ADAMW_GROUPS = ("adamw_matrices", "adamw_embedding", "adamw_head", "adamw_norm", "adamw_mhc_base_scale", "adamw_attn_sink",
                 "adamw_compressor_ape", "adamw_router_bias", "adamw_other")
 NO_DECAY = {"adamw_norm", "adamw_mhc_base_scale", "adamw_attn_sink", "adamw_compressor_ape",
             "adamw_router_bias", "adamw_other"}
@@ -176,14 +192,17 @@ class DSv4Optimizer:
 
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.1, momentum: float = 0.95,
                     betas=(0.9, 0.95), eps: float = 1e-8, update_rms: float = UPDATE_RMS,
-                    ns_dtype: torch.dtype = torch.float32) -> DSv4Optimizer:
-    """Muon for matrices, AdamW for embedding / head / norms / mHC base+scale / sinks / ape / router bias."""
+                    ns_dtype: torch.dtype = torch.float32, muon: bool = True) -> DSv4Optimizer:
+    """Muon for matrices, AdamW for embedding / head / norms / mHC base+scale / sinks / ape / router bias.
+    muon=False: AdamW for everything (the matrices in group "adamw_matrices", with weight decay)."""
     buckets: dict[str, list] = {}
     names: dict[str, list] = {}
     for n, p in model.named_parameters():
         if not p.requires_grad:
             continue
         g = param_group_of(n, p)
+        if g == "muon" and not muon:
+            g = "adamw_matrices"
         buckets.setdefault(g, []).append(p)
         names.setdefault(g, []).append(n)
     muon = None

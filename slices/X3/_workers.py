@@ -1,0 +1,116 @@
+"""Multi-process workers for the X3 tests (FSDP2 / pipelining / CP / EP through `parallelize`, DCP checkpoints).
+
+Each worker is forked by torch.multiprocessing (children inherit the imports; one intra-op thread each) and
+initialises gloo with a timeout on every collective. The shared training step `train_steps` is the one the
+one-rank oracle also runs (plain model), so a test compares like with like: per-step metrics, the first step's
+gradient of every parameter (full tensors, model names) and the parameters after the last step.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, world_size: int, *args) -> list:
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.start_processes(fn, args=(world_size, free_port(), outdir, *args), nprocs=world_size, join=True,
+                           start_method=method)
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world_size)]
+
+
+def init(rank, ws, port):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+
+
+def build(cfg_name="debug", seed=0, **overrides):
+    from dsv4.model.config import get_config
+    from dsv4.model.model import DSv4Model
+    torch.manual_seed(seed)
+    model = DSv4Model(get_config(cfg_name, **overrides)).train()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():                                   # non-trivial mHC biases / sinks / norms
+        for n, p in model.named_parameters():
+            if ("hc_" in n and "base" in n) or n.endswith("attn_sink") or n.endswith(".ape"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+def batches(cfg, B, S, steps, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, cfg.vocab_size, (B, S), generator=g),
+             torch.randint(0, cfg.vocab_size, (B, S), generator=g)) for _ in range(steps)]
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def train_steps(par, opt, data, clip=1.0, lr=1e-2):
+    """The training step of harness/train_dist.py on `par` (a Parallelized, or None: the plain one-rank model
+    given as `opt.model_`); returns (metrics per step, grads of step 1 {name: full tensor})."""
+    hist, grads = [], None
+    for ids, labels in data:
+        opt.set_lr(lr)
+        opt.zero_grad(set_to_none=True)
+        m = par.forward_backward(ids, labels)
+        par.finish_backward()
+        if grads is None:
+            grads = {n: (None if p.grad is None else _full(p.grad).detach().clone())
+                     for n, p in par.named_parameters()}
+        m["grad-norm"] = par.clip_grad_norm_(clip)
+        opt.step()
+        par.update_expert_bias()
+        hist.append(m)
+    return hist, grads
+
+
+def params_of(par) -> dict:
+    return {n: _full(p.detach()).clone() for n, p in par.named_parameters()}
+
+
+def plan_worker(rank, ws, port, outdir, plan_kw, cfg_kw, B, S, steps, optimizer="muon"):
+    """Train `steps` steps under ParallelPlan(**plan_kw); write metrics, step-1 grads and final params."""
+    init(rank, ws, port)
+    from dsv4.harness.optim import build_optimizer
+    from dsv4.model.parallel import ParallelPlan, build_mesh, parallelize
+    model = build(**cfg_kw)
+    data = batches(model.cfg, B, S, steps)
+    plan = ParallelPlan(**plan_kw)
+    mesh = build_mesh(plan)
+    par = parallelize(model, mesh, plan, batch_shape=(B, S))
+    opt = build_optimizer(_ParamsView(par), lr=1e-2, muon=optimizer == "muon")
+    hist, grads = train_steps(par, opt, data)
+    res = {"hist": hist, "grads": grads, "params": params_of(par), "coords": dict(
+        (d, mesh.get_local_rank(d)) for d in ("pp", "dp", "cp", "ep"))}
+    torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class _ParamsView(torch.nn.Module):
+    """named_parameters() of the modules a rank trains (for build_optimizer)."""
+
+    def __init__(self, par):
+        super().__init__()
+        self._par = par
+
+    def named_parameters(self, *a, **k):
+        return self._par.named_parameters()
