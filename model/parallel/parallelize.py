@@ -183,9 +183,9 @@ class Parallelized:
             with ctx:
                 kw = dict(input_ids=ids, labels=labels)
                 if self.stages[0].is_first:
-                    self.schedule.step(ids, target=labels, **kw)
+                    self.schedule.step(ids, target=labels, return_outputs=False, **kw)
                 else:
-                    self.schedule.step(target=labels, **kw)
+                    self.schedule.step(target=labels, return_outputs=False, **kw)
             return self._pipeline_metrics()
         if pl.cp > 1:
             from dsv4.model.context_parallel import CPLayout, contiguous_chunk

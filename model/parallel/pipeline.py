@@ -138,9 +138,11 @@ def rank_chunks(model: DSv4Model, stages: list[list[int]], pp_rank: int, pp: int
 
 
 def stage_io(chunk: PipelineChunk, mb_rows: int, S: int, dtype: torch.dtype, device) -> tuple:
-    """(input_args, output_args) of a chunk's PipelineStage: static shapes, so no shape-inference forward."""
+    """(input_args, output_args) of a chunk's PipelineStage: static shapes, so no shape-inference forward.
+    The streams (and the last stage's objective) carry requires_grad: the stage derives from these examples
+    which boundaries send a gradient back."""
     cfg = chunk.cfg
-    streams = torch.empty(mb_rows, S, cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=device)
+    streams = torch.empty(mb_rows, S, cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=device, requires_grad=True)
     inp = torch.zeros(mb_rows, S, dtype=torch.long, device=device) if chunk.is_first else streams
-    out = torch.empty((), dtype=torch.float32, device=device) if chunk.is_last else streams
+    out = torch.empty((), dtype=torch.float32, device=device, requires_grad=True) if chunk.is_last else streams
     return inp, out

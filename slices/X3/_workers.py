@@ -65,8 +65,9 @@ def _full(t):
 
 def train_steps(par, opt, data, clip=1.0, lr=1e-2):
     """The training step of harness/train_dist.py on `par` (a Parallelized, or None: the plain one-rank model
-    given as `opt.model_`); returns (metrics per step, grads of step 1 {name: full tensor})."""
-    hist, grads = [], None
+    given as `opt.model_`); returns (metrics per step, grads of step 1 {name: full tensor}, parameters after
+    step 1)."""
+    hist, grads, params = [], None, None
     for ids, labels in data:
         opt.set_lr(lr)
         opt.zero_grad(set_to_none=True)
@@ -77,9 +78,11 @@ def train_steps(par, opt, data, clip=1.0, lr=1e-2):
                      for n, p in par.named_parameters()}
         m["grad-norm"] = par.clip_grad_norm_(clip)
         opt.step()
+        if params is None:
+            params = params_of(par)
         par.update_expert_bias()
         hist.append(m)
-    return hist, grads
+    return hist, grads, params
 
 
 def params_of(par) -> dict:
@@ -97,8 +100,8 @@ def plan_worker(rank, ws, port, outdir, plan_kw, cfg_kw, B, S, steps, optimizer=
     mesh = build_mesh(plan)
     par = parallelize(model, mesh, plan, batch_shape=(B, S))
     opt = build_optimizer(_ParamsView(par), lr=1e-2, muon=optimizer == "muon")
-    hist, grads = train_steps(par, opt, data)
-    res = {"hist": hist, "grads": grads, "params": params_of(par), "coords": dict(
+    hist, grads, params = train_steps(par, opt, data)
+    res = {"hist": hist, "grads": grads, "params": params, "coords": dict(
         (d, mesh.get_local_rank(d)) for d in ("pp", "dp", "cp", "ep"))}
     torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
@@ -114,3 +117,52 @@ class _ParamsView(torch.nn.Module):
 
     def named_parameters(self, *a, **k):
         return self._par.named_parameters()
+
+
+def dead_peer_worker(rank, ws, port, outdir):
+    """Rank 1 writes its result and dies (os._exit) before the collective rank 0 then runs."""
+    import time
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws,
+                            timeout=datetime.timedelta(seconds=10))
+    dist.barrier()
+    if rank == 1:
+        torch.save({}, os.path.join(outdir, f"rank{rank}.pt"))
+        os._exit(0)
+    time.sleep(0.5)
+    t0 = time.time()
+    err = None
+    try:
+        dist.all_reduce(torch.ones(4))
+    except Exception as e:  # noqa: BLE001 - the point is which error surfaces
+        err = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    torch.save({"error": err, "seconds": time.time() - t0}, os.path.join(outdir, f"rank{rank}.pt"))
+    os._exit(0)
+
+
+def seeded_grads(named, seed=7):
+    """The same full gradient for every parameter name on every rank (a sharded parameter gets its shard)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    g = torch.Generator().manual_seed(seed)
+    for n, p in sorted(named, key=lambda x: x[0]):
+        full = torch.randn(p.shape, generator=g) * 1e-2
+        if isinstance(p, DTensor):
+            p.grad = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+        else:
+            p.grad = full
+
+
+def muon_step_worker(rank, ws, port, outdir, steps=2):
+    """Optimizer steps of the FSDP2-sharded model on given (seeded) gradients: the update alone."""
+    init(rank, ws, port)
+    from dsv4.harness.optim import build_optimizer
+    from dsv4.model.parallel import ParallelPlan, build_mesh, parallelize
+    plan = ParallelPlan(dp=ws)
+    par = parallelize(build(), build_mesh(plan), plan, batch_shape=(ws, 8))
+    opt = build_optimizer(_ParamsView(par), lr=1e-2)
+    for k in range(steps):
+        seeded_grads(list(par.named_parameters()), seed=7 + k)
+        opt.step()
+    torch.save({"params": params_of(par)}, os.path.join(outdir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
