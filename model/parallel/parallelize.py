@@ -361,7 +361,7 @@ def parallelize(model: DSv4Model, mesh, plan: ParallelPlan, *, batch_shape: tupl
             for c in chunks:
                 _fsdp(c, mesh["dp"])
         mb_rows = B // (pl.dp * pl.microbatches)
-        pdtype = next(model.parameters()).dtype if amp is None else torch.bfloat16
+        pdtype = next(model.parameters()).dtype                                  # FP32 streams (master dtype)
         res.stages = []
         for c in chunks:
             inp, out = PP.stage_io(c, mb_rows, batch_shape[1], pdtype, device)
