@@ -79,6 +79,17 @@ class Muon(torch.optim.Optimizer):
                 if p.ndim < 2:
                     raise ValueError(f"Muon.params: needs matrices (ndim >= 2), got shape {tuple(p.shape)}")
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, but the momentum keeps its saved dtype: torch casts floating state to the parameter's
+        dtype, and Muon's momentum is FP32 whatever the parameter's (a bf16 matrix has an FP32 momentum)."""
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for p, i in zip(params, saved):
+            buf = state_dict["state"].get(i, {}).get("momentum_buffer")
+            if isinstance(buf, torch.Tensor):
+                self.state[p]["momentum_buffer"] = buf.detach().clone().to(p.device)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

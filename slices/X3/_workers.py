@@ -166,3 +166,20 @@ def muon_step_worker(rank, ws, port, outdir, steps=2):
     torch.save({"params": params_of(par)}, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def dcp_save_worker(rank, ws, port, outdir, plan_kw, ckpt_dir, steps=1):
+    """Train `steps` steps on a mesh, save a DCP checkpoint, return the gathered state of this rank."""
+    init(rank, ws, port)
+    from dsv4.harness import dcp_checkpoint as dcpk
+    from dsv4.harness.optim import build_optimizer
+    from dsv4.model.parallel import ParallelPlan, build_mesh, parallelize
+    model = build()
+    plan = ParallelPlan(**plan_kw)
+    par = parallelize(model, build_mesh(plan), plan, batch_shape=(4, 16))
+    opt = build_optimizer(_ParamsView(par), lr=1e-2)
+    train_steps(par, opt, batches(model.cfg, 4, 16, steps))
+    dcpk.save(ckpt_dir, steps, par.parts, opt, {"note": "test"})
+    torch.save({"state": dcpk.full_state(par.parts, opt)}, os.path.join(outdir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
