@@ -91,28 +91,32 @@ def _cli(args):
     return CliRunner().invoke(main, args)
 
 
-def test_torchrun_train_follows_one_rank_and_resumes_resharded(tmp_path):
-    one, dp2, pp2 = (str(tmp_path / n) for n in ("one", "dp2", "pp2"))
+@pytest.fixture(scope="module")
+def one_process_curve(tmp_path_factory):
+    one = str(tmp_path_factory.mktemp("one"))
     r = _cli(["train", "--recipe", "debug", "--steps", "4", "--out", one])
     assert r.exit_code == 0, r.output
-    for out, mesh in ((dp2, ["--dp", "2"]), (pp2, ["--pp", "2", "--schedule", "1f1b"])):
-        p = _torchrun(["train", "--recipe", "debug", "--steps", "4", "--save-interval", "2", "--out", out] + mesh)
-        assert p.returncode == 0, p.stderr[-3000:]
-    ref = _losses(one)
-    for out in (dp2, pp2):
-        got = _losses(out)
-        assert sorted(got) == [1, 2, 3, 4]
-        for s in got:
-            assert abs(got[s]["lm loss"] - ref[s]["lm loss"]) <= LOSS_TOL, (out, s)
-            assert abs(got[s]["total loss"] - ref[s]["total loss"]) <= LOSS_TOL, (out, s)
-        res = str(tmp_path / (os.path.basename(out) + "_resumed_dp1"))
-        r = _cli(["train", "--recipe", "debug", "--steps", "4", "--dp", "1", "--out", res,
-                  "--resume", os.path.join(out, "checkpoints", "step_000002")])
-        assert r.exit_code == 0, r.output
-        cont = _losses(res)
-        assert sorted(cont) == [3, 4]
-        for s in (3, 4):
-            assert abs(cont[s]["lm loss"] - got[s]["lm loss"]) <= LOSS_TOL, (out, s)
+    return _losses(one)
+
+
+@pytest.mark.parametrize("mesh", [["--dp", "2"], ["--pp", "2", "--schedule", "1f1b"]], ids=["dp2", "pp2_1f1b"])
+def test_torchrun_train_follows_one_rank_and_resumes_resharded(mesh, one_process_curve, tmp_path):
+    out, res = str(tmp_path / "mesh"), str(tmp_path / "resumed_dp1")
+    p = _torchrun(["train", "--recipe", "debug", "--steps", "4", "--save-interval", "2", "--out", out] + mesh)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ref, got = one_process_curve, _losses(out)
+    assert sorted(got) == [1, 2, 3, 4]
+    for s in got:
+        assert abs(got[s]["lm loss"] - ref[s]["lm loss"]) <= LOSS_TOL, s
+        assert abs(got[s]["total loss"] - ref[s]["total loss"]) <= LOSS_TOL, s
+    r = _cli(["train", "--recipe", "debug", "--steps", "4", "--dp", "1", "--out", res,
+              "--resume", os.path.join(out, "checkpoints", "step_000002")])
+    assert r.exit_code == 0, r.output
+    cont = _losses(res)
+    assert sorted(cont) == [3, 4]
+    for s in (3, 4):
+        assert abs(cont[s]["lm loss"] - got[s]["lm loss"]) <= LOSS_TOL, s
+        assert abs(cont[s]["total loss"] - got[s]["total loss"]) <= LOSS_TOL, s
 
 
 @pytest.mark.parametrize("args,msg", [
