@@ -183,3 +183,18 @@ def dcp_save_worker(rank, ws, port, outdir, plan_kw, ckpt_dir, steps=1):
     torch.save({"state": dcpk.full_state(par.parts, opt)}, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def dcp_load_worker(rank, ws, port, outdir, plan_kw, ckpt_dir):
+    """Load a DCP checkpoint (saved on any mesh) into other weights on this mesh; the gathered state."""
+    init(rank, ws, port)
+    from dsv4.harness import dcp_checkpoint as dcpk
+    from dsv4.harness.optim import build_optimizer
+    from dsv4.model.parallel import ParallelPlan, build_mesh, parallelize
+    plan = ParallelPlan(**plan_kw)
+    par = parallelize(build(seed=3), build_mesh(plan), plan, batch_shape=(4, 16))
+    opt = build_optimizer(_ParamsView(par), lr=1e-2)
+    dcpk.load(ckpt_dir, par.parts, opt)
+    torch.save({"state": dcpk.full_state(par.parts, opt)}, os.path.join(outdir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,7 +1,8 @@
 """X3: reshardable DCP checkpoints and `dsv4 train` under torchrun.
 
-* A checkpoint saved on a mesh (dp=2 FSDP2 shards; pp=2 stages) loads into ONE process: every model and
-  optimiser tensor (Muon momentum, AdamW moments and steps, expert biases) comes back bit-equal, same dtype.
+* A checkpoint saved on a mesh (dp=2 FSDP2 shards; pp=2 stages) loads into ONE process, and a dp=2 one into
+  pp=2 stages: every model and optimiser tensor (Muon momentum, AdamW moments and steps, expert biases) comes
+  back bit-equal, same dtype.
 * P1's mixed-dtype state (bf16 parameters beside FP32-kept ones, their moments) round-trips bit-exactly.
 * `torchrun --nproc_per_node 2 dsv4 train --recipe debug --dp 2` (and --pp 2 --schedule 1f1b) follows the
   one-process `dsv4 train` curve; a run saved at dp=2 / pp=2 resumes at dp=1 continuing the same curve.
@@ -57,6 +58,22 @@ def test_mesh_checkpoint_loads_on_one_rank_exactly(plan, tmp_path):
     assert sorted(os.listdir(ck)) == ["latest", "step_000001"]        # atomic: no temp dir left
 
 
+def test_checkpoint_reshards_between_meshes(tmp_path):
+    """Saved on dp=2 (FSDP2 shards), loaded on pp=2 (stages): every tensor each stage holds is bit-equal."""
+    ck = str(tmp_path / "ck")
+    saved = {}
+    for r in W.spawn(W.dcp_save_worker, 2, dict(dp=2), ck):
+        saved.update(r["state"])
+    loaded = W.spawn(W.dcp_load_worker, 2, dict(pp=2, schedule="1f1b", microbatches=2),
+                     os.path.join(ck, "step_000001"))
+    got = {}
+    for r in loaded:
+        got.update(r["state"])
+    assert set(got) == set(saved)
+    bad = [k for k in got if got[k].dtype != saved[k].dtype or not torch.equal(got[k], saved[k])]
+    assert not bad, bad[:5]
+
+
 def test_mixed_dtype_state_round_trips_exactly(tmp_path):
     """One process (no process group): the P1 bf16 cast keeps FP32 tensors; DCP keeps every dtype."""
     model = W.build().to_bf16()
@@ -72,6 +89,23 @@ def test_mixed_dtype_state_round_trips_exactly(tmp_path):
     got = dcpk.full_state(par2.parts, opt2)
     bad = [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
     assert not bad, bad[:5]
+
+
+def test_save_is_atomic_a_killed_writer_leaves_the_previous_checkpoint(tmp_path):
+    """A writer killed mid-save leaves only `.tmp-step_*` (half-written DCP files, no meta.json): `latest`
+    still names the previous complete step, resume finds it, and the next save removes the leftover."""
+    par = single(W.build())
+    opt = build_optimizer(W._ParamsView(par), lr=1e-2)
+    ck = str(tmp_path)
+    dcpk.save(ck, 1, par.parts, opt, {})
+    half = os.path.join(ck, ".tmp-step_000002")
+    os.makedirs(half)
+    with open(os.path.join(half, "__0_0.distcp"), "wb") as f:
+        f.write(b"\0" * 100)                                              # what a SIGKILL mid-write leaves
+    assert dcpk.resolve(ck) == os.path.join(ck, "step_000001")
+    dcpk.save(ck, 2, par.parts, opt, {})
+    assert sorted(os.listdir(ck)) == ["latest", "step_000001", "step_000002"]
+    assert dcpk.resolve(ck) == os.path.join(ck, "step_000002")
 
 
 def _losses(out):
