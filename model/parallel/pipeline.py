@@ -35,6 +35,7 @@ from dsv4.model.layout import Layout
 from dsv4.model.losses import AuxLosses, assemble_losses
 from dsv4.model.mhc import expand_streams, hc_head
 from dsv4.model.model import IGNORE, DSv4Model
+from dsv4.model.recompute import checkpoint_block
 
 METRICS = ("lm loss", "mtp_1 loss", "indexer loss", "moe aux loss")
 
@@ -71,6 +72,7 @@ class PipelineChunk(nn.Module):
         self.layer_ids = list(layer_ids)
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         self.backend = model.backend
+        self.recompute = model.recompute                     # whole-block recompute (model/recompute.py)
         self.metrics: list[dict] = []
         if self.is_first or (self.is_last and len(model.mtp)):
             self.embed = model.embed
@@ -86,15 +88,19 @@ class PipelineChunk(nn.Module):
         layout = Layout.batch(B, S, input_ids.device)                              # b documents of S tokens
         aux = AuxLosses()
         X = expand_streams(self.embed(input_ids), cfg.hc_mult) if self.is_first else x   # [b, S, n, d]
+        ckpt = self.recompute and torch.is_grad_enabled()
         for i in self.layer_ids:
-            X = self.layers[str(i)](X, input_ids, layout, aux)
+            layer = self.layers[str(i)]
+            X = checkpoint_block(layer, X, input_ids, layout, aux) if ckpt else layer(X, input_ids, layout, aux)
         lm = mtp = None
         if self.is_last:
             y = self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg, self.backend))
             lm = _ce_sum(self.head(y), labels)
             if len(self.mtp):                                                      # MTP reads the final X
                 ids_next = layout.roll_next(input_ids, 0)
-                y_mtp = self.mtp[0](X, self.embed(ids_next), ids_next, layout, aux)
+                e_next = self.embed(ids_next)
+                y_mtp = checkpoint_block(self.mtp[0], X, e_next, ids_next, layout, aux) if ckpt else \
+                    self.mtp[0](X, e_next, ids_next, layout, aux)
                 mtp = _ce_sum(self.head(y_mtp), layout.roll_next(labels, IGNORE))
         main, extra, metrics = assemble_losses(cfg, aux, lm, mtp)
         self.metrics.append({k: v.detach().double() for k, v in metrics.items()})

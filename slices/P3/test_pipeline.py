@@ -146,6 +146,16 @@ def test_local_matches_whole_model(setup, pattern, pp, vpp, m):
     _compare(met, {n: p.grad for n, p in model.named_parameters()}, ref_met, ref_grads)
 
 
+def test_local_recompute_matches_whole_model(setup):
+    """Whole-block recompute inside the chunks (the model's `set_recompute`) == the whole model."""
+    cfg, sd, batches, ref_met, ref_grads = setup
+    model = DSv4Model(cfg)
+    model.load_state_dict(sd)
+    model.set_recompute(True)
+    met = P.run_local(P.split_stages(model, PAT_PP2), batches, 2)
+    _compare(met, {n: p.grad for n, p in model.named_parameters()}, ref_met, ref_grads)
+
+
 def test_collapsed_hidden_state_is_refused(setup):
     """A stage that sends one hidden state [B, S, d] (streams collapsed) instead of [B, S, n, d] must fail."""
     cfg, sd, batches, _, _ = setup

@@ -1,7 +1,7 @@
 """X3: reshardable DCP checkpoints and `dsv4 train` under torchrun.
 
 * A checkpoint saved on a mesh (dp=2 FSDP2 shards; pp=2 stages) loads into ONE process, and a dp=2 one into
-  pp=2 stages: every model and optimiser tensor (Muon momentum, AdamW moments and steps, expert biases) comes
+  pp=2 stages and into dp=4 shards: every model and optimiser tensor (Muon momentum, AdamW moments and steps, expert biases) comes
   back bit-equal, same dtype.
 * P1's mixed-dtype state (bf16 parameters beside FP32-kept ones, their moments) round-trips bit-exactly.
 * `torchrun --nproc_per_node 2 dsv4 train --recipe debug --dp 2` (and --pp 2 --schedule 1f1b) follows the
@@ -58,14 +58,15 @@ def test_mesh_checkpoint_loads_on_one_rank_exactly(plan, tmp_path):
     assert sorted(os.listdir(ck)) == ["latest", "step_000001"]        # atomic: no temp dir left
 
 
-def test_checkpoint_reshards_between_meshes(tmp_path):
-    """Saved on dp=2 (FSDP2 shards), loaded on pp=2 (stages): every tensor each stage holds is bit-equal."""
+@pytest.mark.parametrize("world,plan", [(2, dict(pp=2, schedule="1f1b", microbatches=2)), (4, dict(dp=4))],
+                         ids=["to_pp2", "to_dp4"])
+def test_checkpoint_reshards_between_meshes(world, plan, tmp_path):
+    """Saved on dp=2 (FSDP2 shards), loaded on pp=2 (stages) or dp=4 (other shards): every tensor bit-equal."""
     ck = str(tmp_path / "ck")
     saved = {}
     for r in W.spawn(W.dcp_save_worker, 2, dict(dp=2), ck):
         saved.update(r["state"])
-    loaded = W.spawn(W.dcp_load_worker, 2, dict(pp=2, schedule="1f1b", microbatches=2),
-                     os.path.join(ck, "step_000001"))
+    loaded = W.spawn(W.dcp_load_worker, world, plan, os.path.join(ck, "step_000001"))
     got = {}
     for r in loaded:
         got.update(r["state"])
