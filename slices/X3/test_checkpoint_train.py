@@ -156,7 +156,7 @@ def test_torchrun_train_follows_one_rank_and_resumes_resharded(mesh, one_process
 
 @pytest.mark.parametrize("args,msg", [
     (["--dp", "2"], "does not equal the world size 1"),
-    (["--ep", "3"], "does not equal the world size 1"),
+    (["--vpp", "2"], "vpp: 2 needs pp > 1"),
 ])
 def test_bad_mesh_is_refused_in_one_line(args, msg, tmp_path):
     r = _cli(["train", "--recipe", "debug", "--steps", "1", "--out", str(tmp_path)] + args)
