@@ -57,7 +57,7 @@ def chunks_of_rank(chunks: list, rank: int, pp: int) -> dict[int, PipelineChunk]
 
 def run_local(chunks: list[PipelineChunk], batches: list, pp: int | None = None, vpp: int | None = None
               ) -> dict[str, float]:
-    """One pipelined step in one process: per micro-batch (input_ids [B, S], labels [B, S]) the chunks in order,
+    """One pipelined step in one process: per micro-batch (input_ids [B, S], labels [B, S][, layout]) the chunks in order,
     backward of loss / M. `pp` / `vpp` (optional) only check the chunk count. Returns the metrics averaged over
     micro-batches, plus "loss"."""
     if pp is not None and len(chunks) != pp * (vpp or 1):
@@ -70,7 +70,7 @@ def run_local(chunks: list[PipelineChunk], batches: list, pp: int | None = None,
         p.grad = None
     for c in chunks:
         c.metrics = []
-    for ids, labels in batches:
+    for ids, labels, *lay in batches:                     # (ids, labels[, layout]): a packed micro-batch
         B, S = ids.shape
         shape = (B, S, cfg.hc_mult, cfg.hidden_size)
         x = ids
@@ -79,7 +79,7 @@ def run_local(chunks: list[PipelineChunk], batches: list, pp: int | None = None,
                 raise ValueError(f"pipeline boundary into chunk {c.chunk_id}: tensor {tuple(x.shape)} {x.dtype} "
                                  f"is not the streams shape [B, S, n_hc, d] = {shape} "
                                  f"{chunks[0].embed.weight.dtype}")
-            x = c(x, input_ids=ids, labels=labels)
+            x = c(x, input_ids=ids, labels=labels, layout=lay[0] if lay else None)
         x.backward()                                      # earlier chunks' aux losses join with gradient 1
     with torch.no_grad():                                 # then / M, as pipelining's scale_grads does
         for p, g in zip(params, before):

@@ -81,11 +81,15 @@ class PipelineChunk(nn.Module):
             self.hc_head_fn, self.hc_head_base, self.hc_head_scale = (model.hc_head_fn, model.hc_head_base,
                                                                       model.hc_head_scale)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """x: input_ids [b, S] on chunk 0, else the streams [b, S, n, d] -> streams, or the scalar objective."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
+                layout: Layout | None = None) -> torch.Tensor:
+        """x: input_ids [b, S] on chunk 0, else the streams [b, S, n, d] -> streams, or the scalar objective.
+        layout: the micro-batch's documents (default b documents of S tokens; `run_local` passes packed ones;
+        under torch.distributed.pipelining micro-batches are plain rows)."""
         cfg = self.cfg
         B, S = input_ids.shape
-        layout = Layout.batch(B, S, input_ids.device)                              # b documents of S tokens
+        if layout is None:
+            layout = Layout.batch(B, S, input_ids.device)                          # b documents of S tokens
         aux = AuxLosses()
         X = expand_streams(self.embed(input_ids), cfg.hc_mult) if self.is_first else x   # [b, S, n, d]
         ckpt = self.recompute and torch.is_grad_enabled()
