@@ -398,8 +398,10 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
 @click.option("--microbatches", type=int, default=None, help="pipeline micro-batches per step (default pp)")
 @click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True,
               help="seconds before any collective fails (a dead rank is an error, not a hang)")
+@click.option("--optimizer", type=click.Choice(["muon", "adamw"]), default=None,
+              help="muon (default: Muon matrices + AdamW) or adamw (AdamW everywhere); distributed loop")
 def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, threads, backend, text, packing,
-              as_json, dp, pp, vpp, cp, ep, schedule, microbatches, timeout_s):
+              as_json, dp, pp, vpp, cp, ep, schedule, microbatches, timeout_s, optimizer):
     """Train a DSv4 model on one device (debug: seconds on CPU; tiny: the CPU loss-curve golden), or under
     torchrun on a (pp, dp, cp, ep) mesh with --dp/--pp/--vpp/--cp/--ep."""
     r = RECIPES[recipe]
@@ -418,13 +420,14 @@ def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, th
             raise TrainError("train.steps: --resume needs --steps (the total number of steps)")
         r = Recipe(**{**asdict(r), **kw})
         par = dict(dp=dp, pp=pp, vpp=vpp, cp=cp, ep=ep, schedule=schedule, microbatches=microbatches)
-        if any(v is not None for v in par.values()) or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if any(v is not None for v in par.values()) or optimizer is not None or \
+                int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from dsv4.harness.train_dist import train_distributed
             from dsv4.model.parallel import ParallelPlan
             par = {k: v for k, v in par.items() if v is not None}
             par.setdefault("microbatches", par.get("pp", 1))
             res = train_distributed(r, out or os.path.join("runs", recipe), ParallelPlan(**par), seed=seed,
-                                    resume=resume, timeout_s=timeout_s)
+                                    resume=resume, timeout_s=timeout_s, optimizer=optimizer or "muon")
             if int(os.environ.get("RANK", "0")) != 0:
                 return
         else:

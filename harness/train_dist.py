@@ -53,7 +53,8 @@ def validate(recipe: Recipe, plan: ParallelPlan, world: int) -> None:
 
 
 def train_distributed(recipe: Recipe, out: str, plan: ParallelPlan, seed: int = 1234, resume: str | None = None,
-                      timeout_s: float = 120.0, log=lambda s: print(s, file=sys.stderr)) -> dict:
+                      timeout_s: float = 120.0, optimizer: str = "muon",
+                      log=lambda s: print(s, file=sys.stderr)) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate(recipe, plan, world)
     if recipe.steps < 1:
@@ -72,7 +73,7 @@ def train_distributed(recipe: Recipe, out: str, plan: ParallelPlan, seed: int = 
         if device.type == "cpu":
             torch.set_num_threads(recipe.threads)
             torch.use_deterministic_algorithms(True)
-        return _loop(recipe, out, plan, seed, resume, device, world, rank, log)
+        return _loop(recipe, out, plan, seed, resume, device, world, rank, log, optimizer)
     finally:
         torch.set_num_threads(saved[0])
         torch.use_deterministic_algorithms(saved[1])
@@ -80,7 +81,7 @@ def train_distributed(recipe: Recipe, out: str, plan: ParallelPlan, seed: int = 
             dist.destroy_process_group()
 
 
-def _loop(recipe, out, plan, seed, resume, device, world, rank, log) -> dict:
+def _loop(recipe, out, plan, seed, resume, device, world, rank, log, optimizer="muon") -> dict:
     t_start = time.time()
     cfg = get_config(recipe.config)
     corpus_dir = os.path.join(out, "data", "corpus")
@@ -106,7 +107,8 @@ def _loop(recipe, out, plan, seed, resume, device, world, rank, log) -> dict:
     else:
         par = single(model, recipe.dtype)
     opt = build_optimizer(_Params(par), lr=recipe.lr, weight_decay=recipe.weight_decay,
-                          ns_dtype=torch.bfloat16 if recipe.dtype == "bf16" else torch.float32)
+                          ns_dtype=torch.bfloat16 if recipe.dtype == "bf16" else torch.float32,
+                          muon=optimizer == "muon")
     fl = flops_per_token(cfg, recipe.seq_len)["total_training_flops_per_token"]
     mesh_info = {k: getattr(plan, k) for k in ("dp", "pp", "vpp", "cp", "ep", "schedule", "microbatches")}
 
@@ -120,6 +122,8 @@ def _loop(recipe, out, plan, seed, resume, device, world, rank, log) -> dict:
             raise TrainError(f"resume: checkpoint {resume!r} was made with another recipe/config")
         if meta["seed"] != seed:
             raise TrainError(f"resume: checkpoint seed {meta['seed']} != --seed {seed}")
+        if meta.get("optimizer", "muon") != optimizer:
+            raise TrainError(f"resume: checkpoint optimizer {meta.get('optimizer', 'muon')} != --optimizer {optimizer}")
         step0, history = meta["step"], meta["history"]
         log(f"resumed from {resume} at step {step0} (saved on mesh {meta.get('mesh')}, now {mesh_info})")
 
@@ -128,7 +132,7 @@ def _loop(recipe, out, plan, seed, resume, device, world, rank, log) -> dict:
             "recipe": asdict(recipe), "config": recipe.config, "config_hash": config_hash(cfg), "seed": seed,
             "git_sha": _git_sha(), "torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "machine": platform.machine(), "device": str(device),
-            "world_size": world, "mesh": mesh_info, "backend": dist.get_backend() if world > 1 else None,
+            "world_size": world, "mesh": mesh_info, "optimizer": optimizer, "backend": dist.get_backend() if world > 1 else None,
             "threads": torch.get_num_threads(), "deterministic": torch.are_deterministic_algorithms_enabled(),
             "data": data_info, "flops_per_token": fl, "resumed_from": resume, "start_step": step0 + 1,
             "command": " ".join(sys.argv)})
@@ -139,7 +143,7 @@ def _loop(recipe, out, plan, seed, resume, device, world, rank, log) -> dict:
     def save(step):
         dcpk.save(ckpt_dir, step, par.parts, opt, {
             "history": history, "consumed_samples": step * recipe.batch_size, "seed": seed,
-            "config_hash": config_hash(cfg), "recipe": asdict(recipe), "mesh": mesh_info})
+            "config_hash": config_hash(cfg), "recipe": asdict(recipe), "mesh": mesh_info, "optimizer": optimizer})
 
     for step in range(step0 + 1, recipe.steps + 1):
         t0 = time.perf_counter()
