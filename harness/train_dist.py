@@ -102,7 +102,7 @@ def _loop(recipe, out, plan, seed, resume, device, world, rank, log, optimizer="
         model.set_kernel_backend(recipe.backend)
     model.train()
     if world > 1:
-        mesh = build_mesh(plan, device.type)
+        mesh = build_mesh(plan, device.type)                          # groups get --timeout too
         par = parallelize(model, mesh, plan, batch_shape=(recipe.batch_size, recipe.seq_len), dtype=recipe.dtype)
     else:
         par = single(model, recipe.dtype)

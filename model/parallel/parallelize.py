@@ -108,16 +108,39 @@ class ParallelPlan:
                                 f"cp={self.cp}")
 
 
+_TIMEOUT = {"s": DEFAULT_TIMEOUT_S}
+
+
 def init_distributed(backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """init_process_group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), with a timeout."""
+    """init_process_group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), with a timeout
+    (also given to every group `build_mesh` creates)."""
+    _TIMEOUT["s"] = timeout_s
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def build_mesh(plan: ParallelPlan, device_type: str = "cpu"):
-    """The DeviceMesh (pp, dp, cp, ep) over the initialised world (rank-major in that order)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh(device_type, (plan.pp, plan.dp, plan.cp, plan.ep), mesh_dim_names=MESH_DIMS)
+def build_mesh(plan: ParallelPlan, device_type: str = "cpu", timeout_s: float | None = None):
+    """The DeviceMesh (pp, dp, cp, ep) over the initialised world (rank-major in that order).
+
+    Its per-dim process groups are created here with an explicit timeout (`init_device_mesh` would give them
+    torch's 30-minute default whatever the world group's timeout): default, the one `init_distributed` used
+    (else DEFAULT_TIMEOUT_S)."""
+    import numpy as np
+    from torch.distributed.device_mesh import DeviceMesh
+    shape = (plan.pp, plan.dp, plan.cp, plan.ep)
+    grid = np.arange(dist.get_world_size()).reshape(shape)                    # [pp, dp, cp, ep] ranks
+    timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else _TIMEOUT["s"])
+    me = dist.get_rank()
+    mine = []
+    for d in range(len(shape)):
+        lines = np.moveaxis(grid, d, -1).reshape(-1, shape[d])                # every group along dim d
+        own = None
+        for line in lines:
+            g = dist.new_group(line.tolist(), timeout=timeout)               # collective: every rank, every group
+            if me in line:
+                own = g
+        mine.append(own)
+    return DeviceMesh.from_group(mine, device_type, mesh=torch.as_tensor(grid), mesh_dim_names=MESH_DIMS)
 
 
 # ---------------------------------------------------------------------------------------------- the result
@@ -408,7 +431,7 @@ def _embedding_group(mesh):
     flat_first = grid[0].reshape(-1).tolist()
     flat_last = grid[-1].reshape(-1).tolist()
     for a, b in zip(flat_first, flat_last):
-        g = dist.new_group([a, b])
+        g = dist.new_group([a, b], timeout=datetime.timedelta(seconds=_TIMEOUT["s"]))
         if me in (a, b):
             mine = g
     return mine

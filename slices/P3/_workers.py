@@ -54,7 +54,7 @@ def pipeline_worker(rank, ws, port, outdir, cfg, state_dict, batches, runs):
         model.load_state_dict(state_dict)
         stage_lists = [c.layer_ids for c in P.split_stages(model, stages)]
         plan = ParallelPlan(pp=ws, vpp=vpp, schedule=schedule, microbatches=len(batches), stages=stage_lists)
-        par = parallelize(model, build_mesh(plan), plan, batch_shape=tuple(ids.shape))
+        par = parallelize(model, build_mesh(plan, timeout_s=60), plan, batch_shape=tuple(ids.shape))
         log = []
         for c in par.parts:
             if not c.is_first:

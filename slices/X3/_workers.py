@@ -97,7 +97,7 @@ def plan_worker(rank, ws, port, outdir, plan_kw, cfg_kw, B, S, steps, optimizer=
     model = build(**cfg_kw)
     data = batches(model.cfg, B, S, steps)
     plan = ParallelPlan(**plan_kw)
-    mesh = build_mesh(plan)
+    mesh = build_mesh(plan, timeout_s=TIMEOUT_S)
     par = parallelize(model, mesh, plan, batch_shape=(B, S))
     opt = build_optimizer(_ParamsView(par), lr=1e-2, muon=optimizer == "muon")
     hist, grads, params = train_steps(par, opt, data)
@@ -158,7 +158,7 @@ def muon_step_worker(rank, ws, port, outdir, steps=2):
     from dsv4.harness.optim import build_optimizer
     from dsv4.model.parallel import ParallelPlan, build_mesh, parallelize
     plan = ParallelPlan(dp=ws)
-    par = parallelize(build(), build_mesh(plan), plan, batch_shape=(ws, 8))
+    par = parallelize(build(), build_mesh(plan, timeout_s=TIMEOUT_S), plan, batch_shape=(ws, 8))
     opt = build_optimizer(_ParamsView(par), lr=1e-2)
     for k in range(steps):
         seeded_grads(list(par.named_parameters()), seed=7 + k)
@@ -176,7 +176,7 @@ def dcp_save_worker(rank, ws, port, outdir, plan_kw, ckpt_dir, steps=1):
     from dsv4.model.parallel import ParallelPlan, build_mesh, parallelize
     model = build()
     plan = ParallelPlan(**plan_kw)
-    par = parallelize(model, build_mesh(plan), plan, batch_shape=(4, 16))
+    par = parallelize(model, build_mesh(plan, timeout_s=TIMEOUT_S), plan, batch_shape=(4, 16))
     opt = build_optimizer(_ParamsView(par), lr=1e-2)
     train_steps(par, opt, batches(model.cfg, 4, 16, steps))
     dcpk.save(ckpt_dir, steps, par.parts, opt, {"note": "test"})
@@ -192,9 +192,30 @@ def dcp_load_worker(rank, ws, port, outdir, plan_kw, ckpt_dir):
     from dsv4.harness.optim import build_optimizer
     from dsv4.model.parallel import ParallelPlan, build_mesh, parallelize
     plan = ParallelPlan(**plan_kw)
-    par = parallelize(build(seed=3), build_mesh(plan), plan, batch_shape=(4, 16))
+    par = parallelize(build(seed=3), build_mesh(plan, timeout_s=TIMEOUT_S), plan, batch_shape=(4, 16))
     opt = build_optimizer(_ParamsView(par), lr=1e-2)
     dcpk.load(ckpt_dir, par.parts, opt)
     torch.save({"state": dcpk.full_state(par.parts, opt)}, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def stuck_peer_worker(rank, ws, port, outdir, timeout_s=3.0):
+    """Rank 1 stays alive but never joins; rank 0's collective on a mesh group must fail after the mesh's
+    timeout (not torch's 30-minute default for new groups)."""
+    import time
+    init(rank, ws, port)
+    from dsv4.model.parallel import ParallelPlan, build_mesh
+    mesh = build_mesh(ParallelPlan(dp=ws), timeout_s=timeout_s)
+    if rank == 1:
+        time.sleep(3 * timeout_s)
+        torch.save({}, os.path.join(outdir, f"rank{rank}.pt"))
+        os._exit(0)
+    t0 = time.time()
+    err = None
+    try:
+        dist.all_reduce(torch.ones(4), group=mesh.get_group("dp"))
+    except Exception as e:  # noqa: BLE001
+        err = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    torch.save({"error": err, "seconds": time.time() - t0}, os.path.join(outdir, f"rank{rank}.pt"))
+    os._exit(0)

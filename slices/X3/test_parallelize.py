@@ -132,3 +132,9 @@ def test_killed_rank_is_an_error_not_a_hang():
     """Rank 1 dies before a collective; rank 0's all_reduce fails (gloo: peer closed) well inside the timeout."""
     res = W.spawn(W.dead_peer_worker, 2)
     assert res[0]["error"] and res[0]["seconds"] < W.TIMEOUT_S, res[0]
+
+
+def test_stuck_rank_times_out_on_mesh_groups():
+    """A live rank that never joins: the mesh group's collective fails after its 3 s timeout."""
+    res = W.spawn(W.stuck_peer_worker, 2)
+    assert res[0]["error"] and 2.5 < res[0]["seconds"] < 8.0, res[0]
