@@ -21,9 +21,11 @@ module's forward: the step installs engines around the single-device model.
       ranks (each rank computes only its experts' rows; the averaged gradient gives every rank the full
       expert gradient); sharding their storage is not implemented.
 
-Validated combinations (gloo, CPU processes, slices/X3 and P3 tests): dp, pp (gpipe / 1f1b),
-pp x vpp (interleaved1f1b), dp x pp, cp alone, ep alone. Other combinations are refused (`PlanError`).
-Not validated: NCCL, GPUs, more than 4 processes.
+Validated (gloo, CPU processes, fp32, slices/X3 and P3 tests; each == one rank in losses, per-parameter
+gradients and Muon matrices): dp2, pp2 (gpipe / 1f1b), pp2 x vpp2 (interleaved1f1b), dp2 x pp2, cp2, ep2.
+Other combinations with cp / ep are refused (`PlanError`). NOT validated: NCCL, GPUs (the CUDA branches of
+train_dist / build_mesh never ran), more than 4 processes, bf16 beyond a 3-step CLI smoke run, packed (THD)
+micro-batches under pipelining. Every group `build_mesh` creates carries the run's timeout.
 """
 from __future__ import annotations
 
