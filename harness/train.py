@@ -400,8 +400,10 @@ def _train(recipe, out, seed, resume, model_factory, progress, log) -> dict:
               help="seconds before any collective fails (a dead rank is an error, not a hang)")
 @click.option("--optimizer", type=click.Choice(["muon", "adamw"]), default=None,
               help="muon (default: Muon matrices + AdamW) or adamw (AdamW everywhere); distributed loop")
+@click.option("--fsdp-bf16", is_flag=True, help="FSDP2 bf16 all-gather / compute (P1's FP32-kept parameters "
+              "outside FSDP) instead of FP32 masters under autocast; needs --dp > 1, --pp 1, --dtype fp32")
 def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, threads, backend, text, packing,
-              as_json, dp, pp, vpp, cp, ep, schedule, microbatches, timeout_s, optimizer):
+              as_json, dp, pp, vpp, cp, ep, schedule, microbatches, timeout_s, optimizer, fsdp_bf16):
     """Train a DSv4 model on one device (debug: seconds on CPU; tiny: the CPU loss-curve golden), or under
     torchrun on a (pp, dp, cp, ep) mesh with --dp/--pp/--vpp/--cp/--ep."""
     r = RECIPES[recipe]
@@ -420,14 +422,15 @@ def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, th
             raise TrainError("train.steps: --resume needs --steps (the total number of steps)")
         r = Recipe(**{**asdict(r), **kw})
         par = dict(dp=dp, pp=pp, vpp=vpp, cp=cp, ep=ep, schedule=schedule, microbatches=microbatches)
-        if any(v is not None for v in par.values()) or optimizer is not None or \
+        if any(v is not None for v in par.values()) or optimizer is not None or fsdp_bf16 or \
                 int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from dsv4.harness.train_dist import train_distributed
             from dsv4.model.parallel import ParallelPlan
             par = {k: v for k, v in par.items() if v is not None}
             par.setdefault("microbatches", par.get("pp", 1))
             res = train_distributed(r, out or os.path.join("runs", recipe), ParallelPlan(**par), seed=seed,
-                                    resume=resume, timeout_s=timeout_s, optimizer=optimizer or "muon")
+                                    resume=resume, timeout_s=timeout_s, optimizer=optimizer or "muon",
+                                    fsdp_bf16=fsdp_bf16)
             if int(os.environ.get("RANK", "0")) != 0:
                 return
         else:

@@ -53,10 +53,12 @@ def validate(recipe: Recipe, plan: ParallelPlan, world: int) -> None:
 
 
 def train_distributed(recipe: Recipe, out: str, plan: ParallelPlan, seed: int = 1234, resume: str | None = None,
-                      timeout_s: float = 120.0, optimizer: str = "muon",
+                      timeout_s: float = 120.0, optimizer: str = "muon", fsdp_bf16: bool = False,
                       log=lambda s: print(s, file=sys.stderr)) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate(recipe, plan, world)
+    if fsdp_bf16 and (plan.dp < 2 or plan.pp > 1 or recipe.dtype != "fp32"):
+        raise PlanError("parallel: --fsdp-bf16 needs --dp > 1, --pp 1 and --dtype fp32")
     if recipe.steps < 1:
         raise TrainError(f"train.steps: must be >= 1, got {recipe.steps}")
     device = torch.device(recipe.device)
@@ -73,7 +75,7 @@ def train_distributed(recipe: Recipe, out: str, plan: ParallelPlan, seed: int = 
         if device.type == "cpu":
             torch.set_num_threads(recipe.threads)
             torch.use_deterministic_algorithms(True)
-        return _loop(recipe, out, plan, seed, resume, device, world, rank, log, optimizer)
+        return _loop(recipe, out, plan, seed, resume, device, world, rank, log, optimizer, fsdp_bf16)
     finally:
         torch.set_num_threads(saved[0])
         torch.use_deterministic_algorithms(saved[1])
@@ -81,7 +83,7 @@ def train_distributed(recipe: Recipe, out: str, plan: ParallelPlan, seed: int = 
             dist.destroy_process_group()
 
 
-def _loop(recipe, out, plan, seed, resume, device, world, rank, log, optimizer="muon") -> dict:
+def _loop(recipe, out, plan, seed, resume, device, world, rank, log, optimizer="muon", fsdp_bf16=False) -> dict:
     t_start = time.time()
     cfg = get_config(recipe.config)
     corpus_dir = os.path.join(out, "data", "corpus")
@@ -103,7 +105,8 @@ def _loop(recipe, out, plan, seed, resume, device, world, rank, log, optimizer="
     model.train()
     if world > 1:
         mesh = build_mesh(plan, device.type)                          # groups get --timeout too
-        par = parallelize(model, mesh, plan, batch_shape=(recipe.batch_size, recipe.seq_len), dtype=recipe.dtype)
+        par = parallelize(model, mesh, plan, batch_shape=(recipe.batch_size, recipe.seq_len), dtype=recipe.dtype,
+                          fsdp_param_dtype=torch.bfloat16 if fsdp_bf16 else None)
     else:
         par = single(model, recipe.dtype)
     opt = build_optimizer(_Params(par), lr=recipe.lr, weight_decay=recipe.weight_decay,
@@ -132,7 +135,7 @@ def _loop(recipe, out, plan, seed, resume, device, world, rank, log, optimizer="
             "recipe": asdict(recipe), "config": recipe.config, "config_hash": config_hash(cfg), "seed": seed,
             "git_sha": _git_sha(), "torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "machine": platform.machine(), "device": str(device),
-            "world_size": world, "mesh": mesh_info, "optimizer": optimizer, "backend": dist.get_backend() if world > 1 else None,
+            "world_size": world, "mesh": mesh_info, "optimizer": optimizer, "fsdp_bf16": fsdp_bf16, "backend": dist.get_backend() if world > 1 else None,
             "threads": torch.get_num_threads(), "deterministic": torch.are_deterministic_algorithms_enabled(),
             "data": data_info, "flops_per_token": fl, "resumed_from": resume, "start_step": step0 + 1,
             "command": " ".join(sys.argv)})

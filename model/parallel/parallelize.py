@@ -8,9 +8,13 @@ module's forward: the step installs engines around the single-device model.
       (the master copy) and are all-gathered in FP32; bf16 runs compute under autocast as the one-device
       recipe does, so P1's FP32-kept tensors (mHC, sinks, ape, norms, router bias) stay FP32 by construction;
       gradients are reduce-scattered in FP32 (MixedPrecisionPolicy(param_dtype=None, reduce_dtype=fp32)).
-      A bf16 all-gather is not offered: FSDP2 needs one parameter dtype per group and the FP32-kept mHC
-      parameters sit directly on each Block. Muon all-gathers each sharded update for Newton–Schulz
-      (harness/optim.py).
+      `fsdp_param_dtype=torch.bfloat16` is FSDP2's own mixed precision instead: the sharded FP32 masters are
+      all-gathered and computed in bf16 (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)), and
+      P1's FP32-kept parameters (model/precision.fp32_kept_names) are left out of FSDP (`ignored_params`:
+      replicated FP32, their gradients averaged over dp in `finish_backward`), since FSDP2 needs one
+      parameter dtype per group and those sit directly on each Block. dp only (pp = 1). The forward equals
+      the P1 bf16 cast of the same weights (slices/X3). Muon all-gathers each sharded update for
+      Newton–Schulz (harness/optim.py).
   pp  `torch.distributed.pipelining`: one `PipelineStage` per chunk (model/parallel/pipeline.py) and an
       explicit schedule: "gpipe" (ScheduleGPipe), "1f1b" (Schedule1F1B), "interleaved1f1b"
       (ScheduleInterleaved1F1B, vpp >= 2 chunks per rank).
@@ -161,6 +165,7 @@ class Parallelized:
     schedule: object = None
     embed_group: object = None
     autocast: object = None
+    replicated: list = field(default_factory=list)     # params FSDP left out (FP32-kept): dp-averaged by hand
 
     # ------------------------------------------------------------------ groups / coordinates
     def group(self, dim: str):
@@ -259,6 +264,11 @@ class Parallelized:
         """Gradient reductions the engines do not do: the embedding copies of the first / last pipeline stage
         (summed), cp replicas (summed: each rank's loss is a share), ep replicas (averaged)."""
         pl = self.plan
+        if self.replicated and pl.dp > 1:
+            for p in self.replicated:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=self.group("dp"))
         if self.embed_group is not None:
             for part in self.parts:
                 if hasattr(part, "embed"):
@@ -278,9 +288,14 @@ class Parallelized:
         """Global gradient 2-norm over every rank's parameters (shards summed over dp, stages over pp; the
         embedding copies of the last stage not counted twice), clipped to max_norm; returns the norm."""
         sq = torch.zeros((), dtype=torch.float64)
+        rep_sq = torch.zeros((), dtype=torch.float64)                             # replicated over dp
+        rep = {id(p) for p in self.replicated}
         for part in self.parts:
             for n, p in part.named_parameters():
                 if p.grad is None:
+                    continue
+                if id(p) in rep:
+                    rep_sq += p.grad.double().pow(2).sum()
                     continue
                 if n.startswith("embed.") and getattr(part, "is_last", False) and not part.is_first \
                         and self.embed_group is not None:
@@ -288,6 +303,7 @@ class Parallelized:
                 sq += _local(p.grad).double().pow(2).sum()
         if self.plan.dp > 1:
             dist.all_reduce(sq, group=self.group("dp"))
+        sq += rep_sq
         if self.plan.pp > 1:
             dist.all_reduce(sq, group=self.group("pp"))
         norm = float(sq.sqrt())
@@ -354,11 +370,12 @@ def single(model: DSv4Model, dtype: str = "fp32") -> Parallelized:
 
 
 def parallelize(model: DSv4Model, mesh, plan: ParallelPlan, *, batch_shape: tuple[int, int] | None = None,
-                dtype: str = "fp32") -> Parallelized:
+                dtype: str = "fp32", fsdp_param_dtype: torch.dtype | None = None) -> Parallelized:
     """Apply `plan` over `mesh` to `model` (built identically on every rank) and return what this rank trains.
 
     batch_shape (B, S): the global batch per step; needed for pp (the stages' static shapes). dtype "bf16":
-    autocast compute with FP32 master parameters (see the module doc).
+    autocast compute with FP32 master parameters; fsdp_param_dtype=torch.bfloat16: FSDP2's bf16 all-gather
+    and compute with P1's FP32-kept parameters left out of FSDP (see the module doc).
     """
     pl = plan
     device = next(model.parameters()).device
@@ -368,6 +385,8 @@ def parallelize(model: DSv4Model, mesh, plan: ParallelPlan, *, batch_shape: tupl
     if pl.pp > 1 and batch_shape is None:
         raise PlanError("parallelize: pp > 1 needs batch_shape (static stage shapes)")
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else None
+    if fsdp_param_dtype is not None and (pl.dp == 1 or pl.pp > 1 or amp is not None):
+        raise PlanError("parallelize: fsdp_param_dtype needs dp > 1, pp = 1 and no autocast (dtype fp32)")
     res = Parallelized(model, mesh, pl, [model], autocast=amp)
 
     if pl.ep > 1:
@@ -398,19 +417,27 @@ def parallelize(model: DSv4Model, mesh, plan: ParallelPlan, *, batch_shape: tupl
         return res
 
     if pl.dp > 1:
-        _fsdp(model, mesh["dp"])
+        res.replicated = _fsdp(model, mesh["dp"], fsdp_param_dtype)
     return res
 
 
-def _fsdp(root: nn.Module, dp_mesh) -> None:
-    """FSDP2 per block (and the MTP block), then the root: FP32 all-gather, FP32 reduce-scatter."""
+def _fsdp(root: nn.Module, dp_mesh, param_dtype: torch.dtype | None = None) -> list:
+    """FSDP2 per block (and the MTP block), then the root; reduce-scatter in FP32. param_dtype None: FP32
+    all-gather; bf16: bf16 all-gather / compute with P1's FP32-kept parameters left out (returned)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from dsv4.model.block import Block
-    mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+    from dsv4.model.precision import fp32_kept_names
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    kept = []
+    if param_dtype is not None:
+        names = set(fp32_kept_names(root))
+        kept = [p for n, p in root.named_parameters() if n in names]
+    ignored = set(kept) or None
     blocks = [m for m in root.modules() if isinstance(m, Block)]
     for b in blocks:
-        fully_shard(b, mesh=dp_mesh, mp_policy=mp)
-    fully_shard(root, mesh=dp_mesh, mp_policy=mp)
+        fully_shard(b, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored)
+    fully_shard(root, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored)
+    return kept
 
 
 def _schedule(pl: ParallelPlan, stages: list):

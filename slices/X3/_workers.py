@@ -219,3 +219,23 @@ def stuck_peer_worker(rank, ws, port, outdir, timeout_s=3.0):
         err = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     torch.save({"error": err, "seconds": time.time() - t0}, os.path.join(outdir, f"rank{rank}.pt"))
     os._exit(0)
+
+
+def fsdp_bf16_worker(rank, ws, port, outdir, B=4, S=16):
+    """One forward + backward under FSDP2's bf16 mixed precision (P1's FP32-kept parameters left out)."""
+    init(rank, ws, port)
+    from dsv4.model.parallel import ParallelPlan, build_mesh, parallelize
+    model = build()
+    plan = ParallelPlan(dp=ws)
+    par = parallelize(model, build_mesh(plan, timeout_s=TIMEOUT_S), plan, batch_shape=(B, S),
+                      fsdp_param_dtype=torch.bfloat16)
+    ids, labels = batches(model.cfg, B, S, 1)[0]
+    m = par.forward_backward(ids, labels)
+    par.finish_backward()
+    grads = {n: _full(p.grad).detach().clone() for n, p in par.named_parameters() if p.grad is not None}
+    kept = sorted(n for n, p in par.named_parameters() if any(p is q for q in par.replicated))
+    torch.save({"metrics": m, "grads": grads, "kept": kept,
+                "dtypes": {n: str(_full(p).dtype) for n, p in par.named_parameters()}},
+               os.path.join(outdir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()

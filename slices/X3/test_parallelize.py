@@ -138,3 +138,25 @@ def test_stuck_rank_times_out_on_mesh_groups():
     """A live rank that never joins: the mesh group's collective fails after its 3 s timeout."""
     res = W.spawn(W.stuck_peer_worker, 2)
     assert res[0]["error"] and 2.5 < res[0]["seconds"] < 8.0, res[0]
+
+
+def test_dp2_fsdp_bf16_equals_p1_bf16_cast():
+    """FSDP2's own mixed precision (bf16 all-gather / compute, FP32 reduce) with P1's FP32-kept parameters left
+    out of FSDP == the one-rank P1 bf16 cast of the same weights (model.to_bf16()), one forward + backward.
+    Tolerances: losses 5e-6 (measured 4.8e-7: fp32 reductions of bf16 terms in another order, x10);
+    gradients 2e-2 of each tensor's largest entry (measured 5.9e-3: the one-rank gradients are bf16-rounded
+    whole-batch sums, FSDP's are fp32 means of bf16 half-batch gradients; bf16 ulp = 2^-8 = 3.9e-3, x3.4)."""
+    from dsv4.model.precision import fp32_kept_names
+    res = W.spawn(W.fsdp_bf16_worker, 2)
+    model = W.build().to_bf16()
+    met = single(model).forward_backward(*W.batches(model.cfg, B, S, 1)[0])
+    ref = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+    kept = set(fp32_kept_names(model))
+    for r in res:
+        assert max(abs(r["metrics"][k] - met[k]) for k in met) <= 5e-6, (r["metrics"], met)
+        assert set(r["grads"]) == set(ref)
+        assert set(r["kept"]) <= kept and len(r["kept"]) > 0                 # FP32-kept: outside FSDP, FP32
+        assert all(r["dtypes"][n] == "torch.float32" for n in r["kept"])
+        worst = max(((r["grads"][n].float() - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
+                    for n, g in ref.items())
+        assert worst <= 2e-2, worst
