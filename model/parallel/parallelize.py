@@ -21,9 +21,9 @@ module's forward: the step installs engines around the single-device model.
   cp  the layout branch's `CPLayout` on the mesh's cp group: each rank's contiguous chunk of the batch's token
       stream (B documents of S tokens); its loss is its share of the global loss, gradients are summed over cp.
   ep  the layout branch's `EPDispatcher` installed on every MoE layer over the mesh's ep group; each ep rank
-      feeds its own rows of the batch; gradients are averaged over ep. Expert weights stay REPLICATED on the ep
-      ranks (each rank computes only its experts' rows; the averaged gradient gives every rank the full
-      expert gradient); sharding their storage is not implemented.
+      feeds its own rows of the batch. The stacked expert weights become DTensors Shard(0) over ep: rank q
+      stores only its E/ep experts (the dispatcher's ownership) and their gradient (divided by ep: the owner
+      received every rank's tokens); the other parameters are replicated, their gradients averaged over ep.
 
 Validated (gloo, CPU processes, fp32, slices/X3 and P3 tests; each == one rank in losses, per-parameter
 gradients and Muon matrices): dp2, pp2 (gpipe / 1f1b), pp2 x vpp2 (interleaved1f1b), dp2 x pp2, cp2, ep2.
@@ -281,14 +281,18 @@ class Parallelized:
                 for p in self.parameters():
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                    dist.all_reduce(p.grad, op=op, group=self.group(dim))
+                    if _mesh_dims(p) == ("ep",):          # an expert shard: its owner summed every rank's
+                        p.grad.div_(pl.ep)                # tokens; the mean over ep ranks' losses
+                    else:
+                        dist.all_reduce(p.grad, op=op, group=self.group(dim))
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global gradient 2-norm over every rank's parameters (shards summed over dp, stages over pp; the
         embedding copies of the last stage not counted twice), clipped to max_norm; returns the norm."""
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64)                                 # FSDP shards (dp)
         rep_sq = torch.zeros((), dtype=torch.float64)                             # replicated over dp
+        ep_sq = torch.zeros((), dtype=torch.float64)                              # expert shards (ep)
         rep = {id(p) for p in self.replicated}
         for part in self.parts:
             for n, p in part.named_parameters():
@@ -297,6 +301,9 @@ class Parallelized:
                 if id(p) in rep:
                     rep_sq += p.grad.double().pow(2).sum()
                     continue
+                if _mesh_dims(p) == ("ep",):
+                    ep_sq += _local(p.grad).double().pow(2).sum()
+                    continue
                 if n.startswith("embed.") and getattr(part, "is_last", False) and not part.is_first \
                         and self.embed_group is not None:
                     continue                                                       # counted on stage 0
@@ -304,6 +311,9 @@ class Parallelized:
         if self.plan.dp > 1:
             dist.all_reduce(sq, group=self.group("dp"))
         sq += rep_sq
+        if self.plan.ep > 1:
+            dist.all_reduce(ep_sq, group=self.group("ep"))
+        sq += ep_sq
         if self.plan.pp > 1:
             dist.all_reduce(sq, group=self.group("pp"))
         norm = float(sq.sqrt())
@@ -346,6 +356,11 @@ class _null:
 
     def __exit__(self, *a):
         return False
+
+
+def _mesh_dims(t: torch.Tensor) -> tuple | None:
+    from torch.distributed.tensor import DTensor
+    return tuple(t.device_mesh.mesh_dim_names or ()) if isinstance(t, DTensor) else None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -392,6 +407,7 @@ def parallelize(model: DSv4Model, mesh, plan: ParallelPlan, *, batch_shape: tupl
     if pl.ep > 1:
         from dsv4.model.ep_dispatch import parallelize as install_ep
         install_ep(model, ep=mesh.get_group("ep"))
+        _shard_experts(model, mesh["ep"])
 
     if pl.pp > 1:
         from torch.distributed.pipelining import PipelineStage
@@ -419,6 +435,19 @@ def parallelize(model: DSv4Model, mesh, plan: ParallelPlan, *, batch_shape: tupl
     if pl.dp > 1:
         res.replicated = _fsdp(model, mesh["dp"], fsdp_param_dtype)
     return res
+
+
+def _shard_experts(model: nn.Module, ep_mesh) -> None:
+    """Each ep rank stores only its experts: the stacked expert weights become DTensors Shard(0) over ep
+    (rank q holds experts [q E/ep, (q+1) E/ep), the EP dispatcher's ownership)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from dsv4.model.moe import Experts
+    for m in model.modules():
+        if isinstance(m, Experts):
+            for name in ("w13", "w2"):
+                p = getattr(m, name)
+                setattr(m, name, nn.Parameter(distribute_tensor(p.detach(), ep_mesh, [Shard(0)],
+                                                                src_data_rank=None)))
 
 
 def _fsdp(root: nn.Module, dp_mesh, param_dtype: torch.dtype | None = None) -> list:

@@ -101,7 +101,9 @@ def plan_worker(rank, ws, port, outdir, plan_kw, cfg_kw, B, S, steps, optimizer=
     par = parallelize(model, mesh, plan, batch_shape=(B, S))
     opt = build_optimizer(_ParamsView(par), lr=1e-2, muon=optimizer == "muon")
     hist, grads, params = train_steps(par, opt, data)
-    res = {"hist": hist, "grads": grads, "params": params, "coords": dict(
+    from dsv4.model.parallel.parallelize import _local, _mesh_dims
+    local_rows = {n: _local(p).shape[0] for n, p in par.named_parameters() if _mesh_dims(p) == ("ep",)}
+    res = {"hist": hist, "grads": grads, "params": params, "ep_local_rows": local_rows, "coords": dict(
         (d, mesh.get_local_rank(d)) for d in ("pp", "dp", "cp", "ep"))}
     torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()

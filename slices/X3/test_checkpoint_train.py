@@ -1,6 +1,6 @@
 """X3: reshardable DCP checkpoints and `dsv4 train` under torchrun.
 
-* A checkpoint saved on a mesh (dp=2 FSDP2 shards; pp=2 stages) loads into ONE process, and a dp=2 one into
+* A checkpoint saved on a mesh (dp=2 FSDP2 shards; pp=2 stages; ep=2 expert shards) loads into ONE process, and a dp=2 one into
   pp=2 stages and into dp=4 shards: every model and optimiser tensor (Muon momentum, AdamW moments and steps, expert biases) comes
   back bit-equal, same dtype.
 * P1's mixed-dtype state (bf16 parameters beside FP32-kept ones, their moments) round-trips bit-exactly.
@@ -43,7 +43,8 @@ def _load_single(ckpt_dir, step=1):
     return dcpk.full_state(par.parts, opt)
 
 
-@pytest.mark.parametrize("plan", [dict(dp=2), dict(pp=2, schedule="1f1b", microbatches=2)], ids=["dp2", "pp2"])
+@pytest.mark.parametrize("plan", [dict(dp=2), dict(pp=2, schedule="1f1b", microbatches=2), dict(ep=2)],
+                         ids=["dp2", "pp2", "ep2"])
 def test_mesh_checkpoint_loads_on_one_rank_exactly(plan, tmp_path):
     ck = str(tmp_path / "ck")
     res = W.spawn(W.dcp_save_worker, 2, plan, ck)

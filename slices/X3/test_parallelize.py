@@ -87,6 +87,12 @@ def test_mesh_equals_one_rank(case):
     res = W.spawn(W.plan_worker, world, plan, cfg_kw, B, S, STEPS, "muon")
     e_loss, e_grad, e_muon = _errors(res, cfg_kw)
     print(f"{case}: loss {e_loss:.2e} grad {e_grad:.2e} muon {e_muon:.2e}")
+    if plan.get("ep", 1) > 1:                    # each ep rank stores only its experts (Shard(0) over ep)
+        E = get_config("debug").n_routed_experts
+        for r in res:
+            rows = r["ep_local_rows"]
+            assert rows and all(n.endswith(("experts.w13", "experts.w2")) for n in rows), rows
+            assert set(rows.values()) == {E // plan["ep"]}, rows
     assert e_loss <= LOSS_TOL and e_grad <= GRAD_TOL and e_muon <= MUON_TOL, (e_loss, e_grad, e_muon)
 
 
