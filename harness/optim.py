@@ -20,10 +20,11 @@ updated with Muon"). Our choices where the report is silent, stated here and in 
   * stacked routed experts [E, out, in] -> Muon, orthogonalised per expert (batched NS over the first axis);
     a fused `w13` ([E, 2f, d] = w1 over w3) is orthogonalised as its two matrices w1 and w3 separately.
 
-Sharded parameters (FSDP2 DTensors, model/parallel): Newton–Schulz needs whole matrices, so each sharded
-update is all-gathered (`full_tensor`), every rank runs NS on the whole matrix (the same fp ops on the same
-data: bit-identical results) and keeps its own shard of O; the momentum stays sharded (a DTensor, so DCP
-reshards it). Every rank repeats the whole NS work: Megatron's layer-wise distribution (each rank owning
+Sharded parameters (FSDP2 / EP DTensors, model/parallel): Newton–Schulz needs whole matrices. Stacked
+experts [E, n, m] split along E hold whole matrices: NS runs on the local shard. Any other sharded update is
+all-gathered (`full_tensor`), every rank runs NS on the whole matrix (the same fp ops on the same data:
+bit-identical results) and keeps its own shard of O; the momentum stays sharded (a DTensor, so DCP reshards
+it). For those matrices every rank repeats the NS work: Megatron's layer-wise distribution (each rank owning
 whole matrices) is not implemented.
 """
 from __future__ import annotations
@@ -59,6 +60,14 @@ def hybrid_newton_schulz(G: torch.Tensor, steps=NS_STEPS, eps: float = 1e-7,
 def _is_dtensor(t) -> bool:
     from torch.distributed.tensor import DTensor
     return isinstance(t, DTensor)
+
+
+def _batch_sharded(t) -> bool:
+    """A DTensor split only along leading (batch) axes, e.g. stacked experts [E, n, m] Shard(0): each rank
+    holds whole matrices, so Newton–Schulz runs on its shard alone (per-matrix, the same result)."""
+    from torch.distributed.tensor import Replicate, Shard
+    return t.ndim > 2 and all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim < t.ndim - 2)
+                              for pl in t.placements)
 
 
 class Muon(torch.optim.Optimizer):
@@ -109,14 +118,18 @@ class Muon(torch.optim.Optimizer):
                 buf = st["momentum_buffer"]
                 buf.mul_(mu).add_(grad)                                   # M_t = mu M_{t-1} + G_t
                 upd = grad.add(buf, alpha=mu) if g["nesterov"] else buf  # mu M_t + G_t
-                if _is_dtensor(upd):                                      # FSDP2 shard: NS needs whole
-                    upd = upd.full_tensor()                               # matrices (all-gather the update)
+                local = False
+                if _is_dtensor(upd):
+                    if _batch_sharded(upd):                               # whole matrices on every rank
+                        upd, local = upd.to_local(), True                 # (experts split over dp / ep)
+                    else:                                                 # a split matrix: NS needs it
+                        upd = upd.full_tensor()                           # whole (all-gather the update)
                 k = self.split.get(p, 1)                                  # fused [.., k*n, m] -> k matrices
                 n, m = p.shape[-2] // k, p.shape[-1]
-                todo.append((p, [u.reshape(-1, n, m) for u in upd.split(n, dim=-2)]))
+                todo.append((p, [u.reshape(-1, n, m) for u in upd.split(n, dim=-2)], tuple(upd.shape), local))
             # batch the Newton–Schulz iterations over all matrices of one shape (same math, fewer kernels)
             by_shape: dict = {}
-            for i, (_, mats) in enumerate(todo):
+            for i, (_, mats, _, _) in enumerate(todo):
                 for j, u in enumerate(mats):
                     by_shape.setdefault(tuple(u.shape[-2:]), []).append((i, j, u))
             out: dict = {}
@@ -124,11 +137,15 @@ class Muon(torch.optim.Optimizer):
                 O = hybrid_newton_schulz(torch.cat([u for _, _, u in items]), dtype=self.ns_dtype)
                 for (i, j, u), o in zip(items, O.split([u.shape[0] for _, _, u in items])):
                     out[i, j] = o
-            for i, (p, mats) in enumerate(todo):
+            for i, (p, mats, shape, local) in enumerate(todo):
                 n, m = mats[0].shape[-2:]
-                O = torch.cat([out[i, j].reshape(*p.shape[:-2], n, m) for j in range(len(mats))], dim=-2)
+                O = torch.cat([out[i, j].reshape(*shape[:-2], n, m) for j in range(len(mats))], dim=-2)
                 O = O * (math.sqrt(max(n, m)) * g["update_rms"])
-                if _is_dtensor(p):                                        # every rank computed the same
+                if local:                                                 # this rank's whole matrices
+                    from torch.distributed.tensor import DTensor
+                    O = DTensor.from_local(O, p.device_mesh, p.placements, run_check=False,
+                                           shape=p.shape, stride=p.stride())
+                elif _is_dtensor(p):                                      # every rank computed the same
                     from torch.distributed.tensor import distribute_tensor    # whole O: keep its own shard
                     O = distribute_tensor(O, p.device_mesh, p.placements, src_data_rank=None)
                 p.mul_(1 - lr * wd)
