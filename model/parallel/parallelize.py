@@ -26,8 +26,9 @@ module's forward: the step installs engines around the single-device model.
       received every rank's tokens); the other parameters are replicated, their gradients averaged over ep.
 
 Validated (gloo, CPU processes, fp32, slices/X3 and P3 tests; each == one rank in losses, per-parameter
-gradients and Muon matrices): dp2, pp2 (gpipe / 1f1b), pp2 x vpp2 (interleaved1f1b), dp2 x pp2, cp2, ep2.
-Other combinations with cp / ep are refused (`PlanError`). NOT validated: NCCL, GPUs (the CUDA branches of
+gradients and Muon matrices): dp2, pp2 (gpipe / 1f1b), pp2 x vpp2 (interleaved1f1b), dp2 x pp2, cp2, ep2,
+dp2 x cp2, dp2 x ep2 (under dp x ep the expert shards stay outside FSDP, replicated over dp). cp / ep with pp,
+and cp with ep, are refused (`PlanError`). NOT validated: NCCL, GPUs (the CUDA branches of
 train_dist / build_mesh never ran), more than 4 processes, bf16 beyond a 3-step CLI smoke run, packed (THD)
 micro-batches under pipelining. Every group `build_mesh` creates carries the run's timeout.
 """
@@ -77,8 +78,9 @@ class ParallelPlan:
             raise PlanError(f"parallel: dp*pp*cp*ep = {self.dp}*{self.pp}*{self.cp}*{self.ep} = {self.world} does "
                             f"not equal the world size {world_size}")
         big = [k for k in ("dp", "cp", "ep") if getattr(self, k) > 1] + (["pp"] if self.pp > 1 else [])
-        if (self.cp > 1 or self.ep > 1) and len(big) > 1:
-            raise PlanError(f"parallel: cp / ep combined with other dims ({'x'.join(big)}) is not implemented")
+        if (self.cp > 1 or self.ep > 1) and (self.pp > 1 or (self.cp > 1 and self.ep > 1)):
+            raise PlanError(f"parallel: {'x'.join(big)}: cp / ep with pp, or cp with ep, is not implemented "
+                            f"(dp x cp and dp x ep are)")
         if self.pp == 1:
             if self.vpp > 1:
                 raise PlanError(f"parallel.vpp: {self.vpp} needs pp > 1")
@@ -109,9 +111,9 @@ class ParallelPlan:
             rows = self.dp * self.ep * self.microbatches
             if batch_size % rows:
                 raise PlanError(f"parallel: batch_size={batch_size} is not divisible by dp*ep*microbatches = {rows}")
-            if seq_len is not None and (batch_size * seq_len) % self.cp:
-                raise PlanError(f"parallel.cp: {batch_size}x{seq_len} tokens per step are not divisible by "
-                                f"cp={self.cp}")
+            if seq_len is not None and (batch_size // self.dp * seq_len) % self.cp:
+                raise PlanError(f"parallel.cp: {batch_size // self.dp}x{seq_len} tokens per dp rank are not "
+                                f"divisible by cp={self.cp}")
 
 
 _TIMEOUT = {"s": DEFAULT_TIMEOUT_S}
@@ -165,7 +167,8 @@ class Parallelized:
     schedule: object = None
     embed_group: object = None
     autocast: object = None
-    replicated: list = field(default_factory=list)     # params FSDP left out (FP32-kept): dp-averaged by hand
+    replicated: list = field(default_factory=list)     # params FSDP left out (FP32-kept, ep expert shards):
+                                                       # dp-averaged by hand
 
     # ------------------------------------------------------------------ groups / coordinates
     def group(self, dim: str):
@@ -233,11 +236,11 @@ class Parallelized:
         m = {k: float(v) for k, v in out.losses.items()}
         m["loss"] = float(out.loss.detach())
         if pl.cp > 1:                                                              # shares of the global loss
-            return _reduce_dict(m, self.group("cp"), dist.ReduceOp.SUM)
-        if pl.dp > 1:
-            return _reduce_dict(m, self.group("dp"), dist.ReduceOp.AVG)
+            m = _reduce_dict(m, self.group("cp"), dist.ReduceOp.SUM)
         if pl.ep > 1:
-            return _reduce_dict(m, self.group("ep"), dist.ReduceOp.AVG)
+            m = _reduce_dict(m, self.group("ep"), dist.ReduceOp.AVG)
+        if pl.dp > 1:
+            m = _reduce_dict(m, self.group("dp"), dist.ReduceOp.AVG)
         return m
 
     def _pipeline_metrics(self) -> dict[str, float]:
@@ -268,7 +271,7 @@ class Parallelized:
             for p in self.replicated:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=self.group("dp"))
+                dist.all_reduce(_local(p.grad), op=dist.ReduceOp.AVG, group=self.group("dp"))
         if self.embed_group is not None:
             for part in self.parts:
                 if hasattr(part, "embed"):
@@ -283,8 +286,8 @@ class Parallelized:
                         p.grad = torch.zeros_like(p)
                     if _mesh_dims(p) == ("ep",):          # an expert shard: its owner summed every rank's
                         p.grad.div_(pl.ep)                # tokens; the mean over ep ranks' losses
-                    else:
-                        dist.all_reduce(p.grad, op=op, group=self.group(dim))
+                    else:                                 # (an FSDP shard: the same dp shard on each rank)
+                        dist.all_reduce(_local(p.grad), op=op, group=self.group(dim))
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -298,11 +301,11 @@ class Parallelized:
             for n, p in part.named_parameters():
                 if p.grad is None:
                     continue
-                if id(p) in rep:
-                    rep_sq += p.grad.double().pow(2).sum()
-                    continue
                 if _mesh_dims(p) == ("ep",):
                     ep_sq += _local(p.grad).double().pow(2).sum()
+                    continue
+                if id(p) in rep:
+                    rep_sq += p.grad.double().pow(2).sum()
                     continue
                 if n.startswith("embed.") and getattr(part, "is_last", False) and not part.is_first \
                         and self.embed_group is not None:
@@ -433,7 +436,8 @@ def parallelize(model: DSv4Model, mesh, plan: ParallelPlan, *, batch_shape: tupl
         return res
 
     if pl.dp > 1:
-        res.replicated = _fsdp(model, mesh["dp"], fsdp_param_dtype)
+        experts = [p for n, p in model.named_parameters() if _mesh_dims(p) == ("ep",)]
+        res.replicated = _fsdp(model, mesh["dp"], fsdp_param_dtype, experts) + experts
     return res
 
 
@@ -450,7 +454,7 @@ def _shard_experts(model: nn.Module, ep_mesh) -> None:
                                                                 src_data_rank=None)))
 
 
-def _fsdp(root: nn.Module, dp_mesh, param_dtype: torch.dtype | None = None) -> list:
+def _fsdp(root: nn.Module, dp_mesh, param_dtype: torch.dtype | None = None, also_ignored=()) -> list:
     """FSDP2 per block (and the MTP block), then the root; reduce-scatter in FP32. param_dtype None: FP32
     all-gather; bf16: bf16 all-gather / compute with P1's FP32-kept parameters left out (returned)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -461,7 +465,7 @@ def _fsdp(root: nn.Module, dp_mesh, param_dtype: torch.dtype | None = None) -> l
     if param_dtype is not None:
         names = set(fp32_kept_names(root))
         kept = [p for n, p in root.named_parameters() if n in names]
-    ignored = set(kept) or None
+    ignored = (set(kept) | set(also_ignored)) or None      # also_ignored: ep expert shards (replicated over dp)
     blocks = [m for m in root.modules() if isinstance(m, Block)]
     for b in blocks:
         fully_shard(b, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored)
