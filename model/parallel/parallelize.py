@@ -27,8 +27,8 @@ module's forward: the step installs engines around the single-device model.
 
 Validated (gloo, CPU processes, fp32, slices/X3 and P3 tests; each == one rank in losses, per-parameter
 gradients and Muon matrices): dp2, pp2 (gpipe / 1f1b), pp2 x vpp2 (interleaved1f1b), dp2 x pp2, cp2, ep2,
-dp2 x cp2, dp2 x ep2 (under dp x ep the expert shards stay outside FSDP, replicated over dp). cp / ep with pp,
-and cp with ep, are refused (`PlanError`). NOT validated: NCCL, GPUs (the CUDA branches of
+dp2 x cp2, dp2 x ep2, pp2 x ep2 (under dp x ep the expert shards stay outside FSDP, replicated over dp). cp
+with pp or ep is refused (`PlanError`). NOT validated: NCCL, GPUs (the CUDA branches of
 train_dist / build_mesh never ran), more than 4 processes, bf16 beyond a 3-step CLI smoke run, packed (THD)
 micro-batches under pipelining. Every group `build_mesh` creates carries the run's timeout.
 """
@@ -78,9 +78,9 @@ class ParallelPlan:
             raise PlanError(f"parallel: dp*pp*cp*ep = {self.dp}*{self.pp}*{self.cp}*{self.ep} = {self.world} does "
                             f"not equal the world size {world_size}")
         big = [k for k in ("dp", "cp", "ep") if getattr(self, k) > 1] + (["pp"] if self.pp > 1 else [])
-        if (self.cp > 1 or self.ep > 1) and (self.pp > 1 or (self.cp > 1 and self.ep > 1)):
-            raise PlanError(f"parallel: {'x'.join(big)}: cp / ep with pp, or cp with ep, is not implemented "
-                            f"(dp x cp and dp x ep are)")
+        if self.cp > 1 and (self.pp > 1 or self.ep > 1):
+            raise PlanError(f"parallel: {'x'.join(big)}: cp with pp or ep is not implemented "
+                            f"(dp x cp is)")
         if self.pp == 1:
             if self.vpp > 1:
                 raise PlanError(f"parallel.vpp: {self.vpp} needs pp > 1")
@@ -255,8 +255,9 @@ class Parallelized:
                         seen[j] = 1
         dist.all_reduce(sums, group=self.group("pp"))
         dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group("pp"))
-        if pl.dp > 1:
-            dist.all_reduce(sums, op=dist.ReduceOp.AVG, group=self.group("dp"))
+        for d in ("ep", "dp"):
+            if getattr(pl, d) > 1:
+                dist.all_reduce(sums, op=dist.ReduceOp.AVG, group=self.group(d))
         out = {k: sums[j].item() / M for j, k in enumerate(_METRICS) if seen[j] > 0}
         loss = out["lm loss"] + self.model.cfg.mtp_loss_scaling_factor * out.get("mtp_1 loss", 0.0)
         out["loss"] = loss + out.get("indexer loss", 0.0) + out.get("moe aux loss", 0.0)
@@ -415,15 +416,19 @@ def parallelize(model: DSv4Model, mesh, plan: ParallelPlan, *, batch_shape: tupl
     if pl.pp > 1:
         from torch.distributed.pipelining import PipelineStage
         from dsv4.model.parallel import pipeline as PP
+        experts = [p for n, p in model.named_parameters() if _mesh_dims(p) == ("ep",)]
         n = pl.pp * pl.vpp
         stages = pl.stages or PP.even_stages(model.cfg.num_hidden_layers, n)
         pp_rank = mesh.get_local_rank("pp")
         chunks = PP.rank_chunks(model, [list(s) for s in stages], pp_rank, pl.pp)
         res.parts = chunks
         if pl.dp > 1:
+            held = {id(p) for c in chunks for p in c.parameters()}
+            mine = [p for p in experts if id(p) in held]
             for c in chunks:
-                _fsdp(c, mesh["dp"])
-        mb_rows = B // (pl.dp * pl.microbatches)
+                _fsdp(c, mesh["dp"], None, mine)
+            res.replicated = mine
+        mb_rows = B // (pl.dp * pl.ep * pl.microbatches)
         pdtype = next(model.parameters()).dtype                                  # FP32 streams (master dtype)
         res.stages = []
         for c in chunks:

@@ -6,7 +6,7 @@ code on the plain model in this process (`single`). Compared: every step's metri
 of every parameter the rank holds (FSDP shards gathered), and the Muon-updated matrices after the first step.
 
 Tolerances (fp32; measured worst over all shapes below on this 2-core host):
-  LOSS_TOL  3e-5  metrics incl. grad-norm, both steps: measured 2.8e-6 (cp2, dp2_pp2), x10
+  LOSS_TOL  3e-5  metrics incl. grad-norm, both steps: measured 5.3e-6 (pp2_ep2; 2.8e-6 for the others), x5.7
   GRAD_TOL  5e-7  step-1 gradients: measured 4.4e-8 (dp2_cp2; reduce / accumulation order), x11
   MUON_TOL  2e-4  Muon matrices after step 1: measured 3.8e-5 (dp2_ep2), x5.2. The update is ~6e-3 per entry,
                   so this is a 3% bound, set by Newton–Schulz, not by the sharding: the quintic step's slope at
@@ -39,6 +39,7 @@ CASES = {                                                                  # id:
     "dp2_pp2": (4, dict(dp=2, pp=2, schedule="1f1b", microbatches=2), {}),
     "dp2_cp2": (4, dict(dp=2, cp=2), dict(seq_aux_loss_coeff=0.0)),
     "dp2_ep2": (4, dict(dp=2, ep=2), {}),
+    "pp2_ep2": (4, dict(pp=2, ep=2, schedule="1f1b", microbatches=2), {}),
 }
 
 
@@ -128,7 +129,7 @@ def test_dp2_adamw_equals_one_rank():
     (dict(ep=3), 3, "n_routed_experts=8 is not divisible by ep=3"),
     (dict(pp=2, schedule="1f1b", microbatches=1), 2, "1f1b needs >= pp = 2 micro-batches"),
     (dict(cp=2, ep=2), 4, "is not implemented"),
-    (dict(pp=2, ep=2, schedule="1f1b", microbatches=2), 4, "is not implemented"),
+    (dict(pp=2, cp=2, schedule="1f1b", microbatches=2), 4, "is not implemented"),
     (dict(dp=3), 3, "batch_size=4 is not divisible by dp"),
 ])
 def test_plan_refusals(plan, world, msg):
