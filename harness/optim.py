@@ -22,10 +22,9 @@ updated with Muon"). Our choices where the report is silent, stated here and in 
 
 Sharded parameters (FSDP2 / EP DTensors, model/parallel): Newton–Schulz needs whole matrices. Stacked
 experts [E, n, m] split along E hold whole matrices: NS runs on the local shard. Any other sharded update is
-all-gathered (`full_tensor`), every rank runs NS on the whole matrix (the same fp ops on the same data:
-bit-identical results) and keeps its own shard of O; the momentum stays sharded (a DTensor, so DCP reshards
-it). For those matrices every rank repeats the NS work: Megatron's layer-wise distribution (each rank owning
-whole matrices) is not implemented.
+all-gathered (`full_tensor`); the ranks of the mesh take the matrices in turn (Megatron's layer-wise
+distribution): the owner runs NS on the whole matrix and scatters the shards of O (`distribute_tensor` from
+it), so each NS runs once per mesh. The momentum stays sharded (a DTensor, so DCP reshards it).
 """
 from __future__ import annotations
 
@@ -108,6 +107,7 @@ class Muon(torch.optim.Optimizer):
         for g in self.param_groups:
             lr, mu, wd = g["lr"], g["momentum"], g["weight_decay"]
             todo = []                                                     # (param, [matrices [b, n, m]])
+            turns: dict = {}                                              # mesh -> next owner of a gathered NS
             for p in g["params"]:
                 if p.grad is None:
                     continue
@@ -118,18 +118,23 @@ class Muon(torch.optim.Optimizer):
                 buf = st["momentum_buffer"]
                 buf.mul_(mu).add_(grad)                                   # M_t = mu M_{t-1} + G_t
                 upd = grad.add(buf, alpha=mu) if g["nesterov"] else buf  # mu M_t + G_t
-                local = False
+                local, owner = False, None
                 if _is_dtensor(upd):
                     if _batch_sharded(upd):                               # whole matrices on every rank
                         upd, local = upd.to_local(), True                 # (experts split over dp / ep)
                     else:                                                 # a split matrix: NS needs it
                         upd = upd.full_tensor()                           # whole (all-gather the update)
+                        mesh = p.device_mesh                              # one rank of the mesh runs its
+                        owner = turns.get(id(mesh), 0) % mesh.size()      # NS, in turn (layer-wise), and
+                        turns[id(mesh)] = owner + 1                       # scatters the shards of O
                 k = self.split.get(p, 1)                                  # fused [.., k*n, m] -> k matrices
                 n, m = p.shape[-2] // k, p.shape[-1]
-                todo.append((p, [u.reshape(-1, n, m) for u in upd.split(n, dim=-2)], tuple(upd.shape), local))
+                mine = owner is None or owner == p.device_mesh.get_local_rank()
+                mats = [u.reshape(-1, n, m) for u in upd.split(n, dim=-2)] if mine else []
+                todo.append((p, mats, tuple(upd.shape), local, owner, (n, m), k))
             # batch the Newton–Schulz iterations over all matrices of one shape (same math, fewer kernels)
             by_shape: dict = {}
-            for i, (_, mats, _, _) in enumerate(todo):
+            for i, (_, mats, *_rest) in enumerate(todo):
                 for j, u in enumerate(mats):
                     by_shape.setdefault(tuple(u.shape[-2:]), []).append((i, j, u))
             out: dict = {}
@@ -137,17 +142,19 @@ class Muon(torch.optim.Optimizer):
                 O = hybrid_newton_schulz(torch.cat([u for _, _, u in items]), dtype=self.ns_dtype)
                 for (i, j, u), o in zip(items, O.split([u.shape[0] for _, _, u in items])):
                     out[i, j] = o
-            for i, (p, mats, shape, local) in enumerate(todo):
-                n, m = mats[0].shape[-2:]
-                O = torch.cat([out[i, j].reshape(*shape[:-2], n, m) for j in range(len(mats))], dim=-2)
-                O = O * (math.sqrt(max(n, m)) * g["update_rms"])
+            for i, (p, mats, shape, local, owner, (n, m), k) in enumerate(todo):
+                if mats:
+                    O = torch.cat([out[i, j].reshape(*shape[:-2], n, m) for j in range(k)], dim=-2)
+                    O = O * (math.sqrt(max(n, m)) * g["update_rms"])
+                else:                                                     # another rank's turn: receive
+                    O = torch.empty(shape, dtype=torch.float32, device=p.device)
                 if local:                                                 # this rank's whole matrices
                     from torch.distributed.tensor import DTensor
                     O = DTensor.from_local(O, p.device_mesh, p.placements, run_check=False,
                                            shape=p.shape, stride=p.stride())
-                elif _is_dtensor(p):                                      # every rank computed the same
-                    from torch.distributed.tensor import distribute_tensor    # whole O: keep its own shard
-                    O = distribute_tensor(O, p.device_mesh, p.placements, src_data_rank=None)
+                elif owner is not None:                                   # the owner's whole O, scattered
+                    from torch.distributed.tensor import distribute_tensor
+                    O = distribute_tensor(O, p.device_mesh, p.placements, src_data_rank=owner)
                 p.mul_(1 - lr * wd)
                 p.add_(O.to(p.dtype), alpha=-lr)
         return loss
