@@ -80,7 +80,10 @@ def train_distributed(recipe: Recipe, out: str, plan: ParallelPlan, seed: int = 
         torch.set_num_threads(saved[0])
         torch.use_deterministic_algorithms(saved[1])
         if world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.barrier()                               # orderly shutdown: no rank leaves mid-collective
+            finally:
+                dist.destroy_process_group()
 
 
 def _loop(recipe, out, plan, seed, resume, device, world, rank, log, optimizer="muon", fsdp_bf16=False) -> dict:
