@@ -75,15 +75,15 @@ def train_distributed(recipe: Recipe, out: str, plan: ParallelPlan, seed: int = 
         if device.type == "cpu":
             torch.set_num_threads(recipe.threads)
             torch.use_deterministic_algorithms(True)
-        return _loop(recipe, out, plan, seed, resume, device, world, rank, log, optimizer, fsdp_bf16)
+        res = _loop(recipe, out, plan, seed, resume, device, world, rank, log, optimizer, fsdp_bf16)
+        if world > 1:
+            dist.barrier()                                   # orderly shutdown: no rank leaves mid-collective
+        return res
     finally:
         torch.set_num_threads(saved[0])
         torch.use_deterministic_algorithms(saved[1])
         if world > 1 and dist.is_initialized():
-            try:
-                dist.barrier()                               # orderly shutdown: no rank leaves mid-collective
-            finally:
-                dist.destroy_process_group()
+            dist.destroy_process_group()
 
 
 def _loop(recipe, out, plan, seed, resume, device, world, rank, log, optimizer="muon", fsdp_bf16=False) -> dict:
