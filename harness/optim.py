@@ -19,6 +19,12 @@ updated with Muon"). Our choices where the report is silent, stated here and in 
     other 1-D tensor -> AdamW without weight decay (they are biases / positional offsets, not linear maps);
   * stacked routed experts [E, out, in] -> Muon, orthogonalised per expert (batched NS over the first axis);
     a fused `w13` ([E, 2f, d] = w1 over w3) is orthogonalised as its two matrices w1 and w3 separately.
+
+Sharded parameters (FSDP2 / EP DTensors, model/parallel): Newton–Schulz needs whole matrices. Stacked
+experts [E, n, m] split along E hold whole matrices: NS runs on the local shard. Any other sharded update is
+all-gathered (`full_tensor`); the ranks of the mesh take the matrices in turn (Megatron's layer-wise
+distribution): the owner runs NS on the whole matrix and scatters the shards of O (`distribute_tensor` from
+it), so each NS runs once per mesh. The momentum stays sharded (a DTensor, so DCP reshards it).
 """
 from __future__ import annotations
 
@@ -50,6 +56,19 @@ def hybrid_newton_schulz(G: torch.Tensor, steps=NS_STEPS, eps: float = 1e-7,
     return X.to(G.dtype)
 
 
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def _batch_sharded(t) -> bool:
+    """A DTensor split only along leading (batch) axes, e.g. stacked experts [E, n, m] Shard(0): each rank
+    holds whole matrices, so Newton–Schulz runs on its shard alone (per-matrix, the same result)."""
+    from torch.distributed.tensor import Replicate, Shard
+    return t.ndim > 2 and all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim < t.ndim - 2)
+                              for pl in t.placements)
+
+
 class Muon(torch.optim.Optimizer):
     """Muon with Nesterov momentum, hybrid NS, update-RMS matching and decoupled weight decay (spec §10.4)."""
 
@@ -68,6 +87,17 @@ class Muon(torch.optim.Optimizer):
                 if p.ndim < 2:
                     raise ValueError(f"Muon.params: needs matrices (ndim >= 2), got shape {tuple(p.shape)}")
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, but the momentum keeps its saved dtype: torch casts floating state to the parameter's
+        dtype, and Muon's momentum is FP32 whatever the parameter's (a bf16 matrix has an FP32 momentum)."""
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for p, i in zip(params, saved):
+            buf = state_dict["state"].get(i, {}).get("momentum_buffer")
+            if isinstance(buf, torch.Tensor):
+                self.state[p]["momentum_buffer"] = buf.detach().clone().to(p.device)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -77,6 +107,7 @@ class Muon(torch.optim.Optimizer):
         for g in self.param_groups:
             lr, mu, wd = g["lr"], g["momentum"], g["weight_decay"]
             todo = []                                                     # (param, [matrices [b, n, m]])
+            turns: dict = {}                                              # mesh -> next owner of a gathered NS
             for p in g["params"]:
                 if p.grad is None:
                     continue
@@ -87,12 +118,23 @@ class Muon(torch.optim.Optimizer):
                 buf = st["momentum_buffer"]
                 buf.mul_(mu).add_(grad)                                   # M_t = mu M_{t-1} + G_t
                 upd = grad.add(buf, alpha=mu) if g["nesterov"] else buf  # mu M_t + G_t
+                local, owner = False, None
+                if _is_dtensor(upd):
+                    if _batch_sharded(upd):                               # whole matrices on every rank
+                        upd, local = upd.to_local(), True                 # (experts split over dp / ep)
+                    else:                                                 # a split matrix: NS needs it
+                        upd = upd.full_tensor()                           # whole (all-gather the update)
+                        mesh = p.device_mesh                              # one rank of the mesh runs its
+                        owner = turns.get(id(mesh), 0) % mesh.size()      # NS, in turn (layer-wise), and
+                        turns[id(mesh)] = owner + 1                       # scatters the shards of O
                 k = self.split.get(p, 1)                                  # fused [.., k*n, m] -> k matrices
                 n, m = p.shape[-2] // k, p.shape[-1]
-                todo.append((p, [u.reshape(-1, n, m) for u in upd.split(n, dim=-2)]))
+                mine = owner is None or owner == p.device_mesh.get_local_rank()
+                mats = [u.reshape(-1, n, m) for u in upd.split(n, dim=-2)] if mine else []
+                todo.append((p, mats, tuple(upd.shape), local, owner, (n, m), k))
             # batch the Newton–Schulz iterations over all matrices of one shape (same math, fewer kernels)
             by_shape: dict = {}
-            for i, (_, mats) in enumerate(todo):
+            for i, (_, mats, *_rest) in enumerate(todo):
                 for j, u in enumerate(mats):
                     by_shape.setdefault(tuple(u.shape[-2:]), []).append((i, j, u))
             out: dict = {}
@@ -100,10 +142,19 @@ class Muon(torch.optim.Optimizer):
                 O = hybrid_newton_schulz(torch.cat([u for _, _, u in items]), dtype=self.ns_dtype)
                 for (i, j, u), o in zip(items, O.split([u.shape[0] for _, _, u in items])):
                     out[i, j] = o
-            for i, (p, mats) in enumerate(todo):
-                n, m = mats[0].shape[-2:]
-                O = torch.cat([out[i, j].reshape(*p.shape[:-2], n, m) for j in range(len(mats))], dim=-2)
-                O = O * (math.sqrt(max(n, m)) * g["update_rms"])
+            for i, (p, mats, shape, local, owner, (n, m), k) in enumerate(todo):
+                if mats:
+                    O = torch.cat([out[i, j].reshape(*shape[:-2], n, m) for j in range(k)], dim=-2)
+                    O = O * (math.sqrt(max(n, m)) * g["update_rms"])
+                else:                                                     # another rank's turn: receive
+                    O = torch.empty(shape, dtype=torch.float32, device=p.device)
+                if local:                                                 # this rank's whole matrices
+                    from torch.distributed.tensor import DTensor
+                    O = DTensor.from_local(O, p.device_mesh, p.placements, run_check=False,
+                                           shape=p.shape, stride=p.stride())
+                elif owner is not None:                                   # the owner's whole O, scattered
+                    from torch.distributed.tensor import distribute_tensor
+                    O = distribute_tensor(O, p.device_mesh, p.placements, src_data_rank=owner)
                 p.mul_(1 - lr * wd)
                 p.add_(O.to(p.dtype), alpha=-lr)
         return loss
@@ -111,7 +162,7 @@ class Muon(torch.optim.Optimizer):
 
 # ------------------------------------------------------------------------------------------- groups
 # AdamW groups (name -> weight decay applies?) ; every parameter lands in exactly one group.
-ADAMW_GROUPS = ("adamw_embedding", "adamw_head", "adamw_norm", "adamw_mhc_base_scale", "adamw_attn_sink",
+ADAMW_GROUPS = ("adamw_matrices", "adamw_embedding", "adamw_head", "adamw_norm", "adamw_mhc_base_scale", "adamw_attn_sink",
                 "adamw_compressor_ape", "adamw_router_bias", "adamw_other")
 NO_DECAY = {"adamw_norm", "adamw_mhc_base_scale", "adamw_attn_sink", "adamw_compressor_ape",
             "adamw_router_bias", "adamw_other"}
@@ -176,14 +227,17 @@ class DSv4Optimizer:
 
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.1, momentum: float = 0.95,
                     betas=(0.9, 0.95), eps: float = 1e-8, update_rms: float = UPDATE_RMS,
-                    ns_dtype: torch.dtype = torch.float32) -> DSv4Optimizer:
-    """Muon for matrices, AdamW for embedding / head / norms / mHC base+scale / sinks / ape / router bias."""
+                    ns_dtype: torch.dtype = torch.float32, muon: bool = True) -> DSv4Optimizer:
+    """Muon for matrices, AdamW for embedding / head / norms / mHC base+scale / sinks / ape / router bias.
+    muon=False: AdamW for everything (the matrices in group "adamw_matrices", with weight decay)."""
     buckets: dict[str, list] = {}
     names: dict[str, list] = {}
     for n, p in model.named_parameters():
         if not p.requires_grad:
             continue
         g = param_group_of(n, p)
+        if g == "muon" and not muon:
+            g = "adamw_matrices"
         buckets.setdefault(g, []).append(p)
         names.setdefault(g, []).append(n)
     muon = None

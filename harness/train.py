@@ -519,9 +519,26 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
 @click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile every block")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON summary on stdout (strict JSON: non-finite "
               "floats as \"nan\" / \"inf\" / \"-inf\")")
+@click.option("--dp", type=int, default=None, help="data parallel (FSDP2) size; any parallel flag or torchrun's "
+              "WORLD_SIZE selects the distributed loop (harness/train_dist.py)")
+@click.option("--pp", type=int, default=None, help="pipeline stages (torch.distributed.pipelining)")
+@click.option("--vpp", type=int, default=None, help="chunks per pipeline rank (needs --schedule interleaved1f1b)")
+@click.option("--cp", type=int, default=None, help="context parallel size (the CP layout)")
+@click.option("--ep", type=int, default=None, help="expert parallel size (the EP dispatcher)")
+@click.option("--schedule", type=click.Choice(["gpipe", "1f1b", "interleaved1f1b"]), default=None,
+              help="pipeline schedule (required with --pp > 1)")
+@click.option("--microbatches", type=int, default=None, help="pipeline micro-batches per step (default pp)")
+@click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True,
+              help="seconds before any collective fails (a dead rank is an error, not a hang)")
+@click.option("--optimizer", type=click.Choice(["muon", "adamw"]), default=None,
+              help="muon (default: Muon matrices + AdamW) or adamw (AdamW everywhere); distributed loop")
+@click.option("--fsdp-bf16", is_flag=True, help="FSDP2 bf16 all-gather / compute (P1's FP32-kept parameters "
+              "outside FSDP) instead of FP32 masters under autocast; needs --dp > 1, --pp 1, --dtype fp32")
 def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, final_checkpoint, overwrite, threads,
-              backend, text, text_errors, packing, compile_, as_json):
-    """Train a DSv4 model on one device (debug: seconds on CPU; tiny: the CPU loss-curve golden)."""
+              backend, text, text_errors, packing, compile_, as_json, dp, pp, vpp, cp, ep, schedule, microbatches,
+              timeout_s, optimizer, fsdp_bf16):
+    """Train a DSv4 model on one device (debug: seconds on CPU; tiny: the CPU loss-curve golden), or under
+    torchrun on a (pp, dp, cp, ep) mesh with --dp/--pp/--vpp/--cp/--ep."""
     r = RECIPES[recipe]
     kw = {k: v for k, v in dict(steps=steps, device=device, dtype=dtype, save_interval=save_interval,
                                  threads=threads, backend=backend, text=tuple(text) or None,
@@ -537,8 +554,21 @@ def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, fi
         if resume and "steps" not in kw:
             raise TrainError("train.steps: --resume needs --steps (the total number of steps)")
         r = Recipe(**{**asdict(r), **kw})
-        res = train(r, out or os.path.join("runs", recipe), seed=seed, resume=resume, progress=True,
-                    overwrite=overwrite, save_final=final_checkpoint)
+        par = dict(dp=dp, pp=pp, vpp=vpp, cp=cp, ep=ep, schedule=schedule, microbatches=microbatches)
+        if any(v is not None for v in par.values()) or optimizer is not None or fsdp_bf16 or \
+                int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from dsv4.harness.train_dist import train_distributed
+            from dsv4.model.parallel import ParallelPlan
+            par = {k: v for k, v in par.items() if v is not None}
+            par.setdefault("microbatches", par.get("pp", 1))
+            res = train_distributed(r, out or os.path.join("runs", recipe), ParallelPlan(**par), seed=seed,
+                                    resume=resume, timeout_s=timeout_s, optimizer=optimizer or "muon",
+                                    fsdp_bf16=fsdp_bf16)
+            if int(os.environ.get("RANK", "0")) != 0:
+                return
+        else:
+            res = train(r, out or os.path.join("runs", recipe), seed=seed, resume=resume, progress=True,
+                        overwrite=overwrite, save_final=final_checkpoint)
     except (TrainError, ConfigError, DataError, ckpt.CheckpointError) as e:
         report_bad_input(e)
     except NonFiniteError as e:                                          # diverged: exit 1, not bad input

@@ -28,6 +28,11 @@ import torch.nn.functional as F
 from dsv4.kernels.swiglu import clamped_swiglu
 
 
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
 def ep_group():
     try:
         from megatron.core import parallel_state as ps
@@ -101,7 +106,8 @@ def ep_experts_forward(experts, x: torch.Tensor, w: torch.Tensor, idx: torch.Ten
     """sum_k w_k Expert_{idx_k}(x) with the experts spread over the EP group -> [n, d] (x's dtype).
 
     experts: `model.moe.Experts` (stacked w13 [E, 2f, d], w2 [E, d, f]); this rank uses only its own experts'
-    rows of w13 / w2. x [n, d], w / idx [n, K] are this rank's real tokens and their routing (n may differ
+    rows of w13 / w2 (replicated tensors, or DTensors sharded Shard(0) over the ep group by model/parallel:
+    then each rank stores only its E/ep experts). x [n, d], w / idx [n, K] are this rank's real tokens and their routing (n may differ
     between ranks). `capacity`: static rows per (source, destination) pair; default N*K (never exceeded);
     a smaller one bounds the buffers [ep * capacity, d] and is checked (an overflow raises, nothing dropped).
     """
@@ -139,14 +145,18 @@ def ep_experts_forward(experts, x: torch.Tensor, w: torch.Tensor, idx: torch.Ten
     recv_x = all_to_all(send_x, group)                                         # [ep*cap, d] rows for my experts
     recv_e = all_to_all(send_e, group)
     recv_y = torch.zeros(ep * cap, d, dtype=torch.promote_types(x.dtype, torch.float32), device=dev)
+    w13, w2 = experts.w13, experts.w2
+    sharded = _is_dtensor(w13)                      # model/parallel: expert weights Shard(0) over the ep group
+    if sharded:
+        w13, w2 = w13.to_local(), w2.to_local()                                # [E_loc, ...] my experts only
     for e in range(E_loc):                                                     # my experts
         rows = torch.nonzero(recv_e == e).flatten()
         if rows.numel() == 0:
             continue
-        ge = rank * E_loc + e
-        gate, up = F.linear(recv_x[rows], experts.w13[ge]).chunk(2, dim=-1)    # [c, f] each
+        ge = e if sharded else rank * E_loc + e
+        gate, up = F.linear(recv_x[rows], w13[ge]).chunk(2, dim=-1)            # [c, f] each
         h = clamped_swiglu(gate, up, experts.limit, backend=experts.backend)
-        recv_y = recv_y.index_copy(0, rows, F.linear(h, experts.w2[ge]).to(recv_y.dtype))
+        recv_y = recv_y.index_copy(0, rows, F.linear(h, w2[ge]).to(recv_y.dtype))
     back = all_to_all(recv_y, group)                                           # [ep*cap, d] results, my slots
 
     # combine in ascending expert order (the accumulation order of model.moe.Experts, so sums match bitwise)

@@ -16,19 +16,23 @@ losses sum to the single-rank loss). `losses` holds detached scalars under Megat
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import torch
 
 from dsv4.model.recompute import recomputing
 
 
-@dataclass(eq=False)
 class AuxLosses:
-    indexer: list = field(default_factory=list)      # (loss scalar, n_queries scalar tensor) per CSA layer
-    moe: list = field(default_factory=list)          # loss scalar per score-routed MoE layer
-    selections: dict = field(default_factory=dict)   # layer_idx -> (idx [T, k], entry_seg [N], entry_j [N])
-    always: bool = False    # record during a recompute too (a checkpointed block's own container, see `merge`)
+    """Not a dataclass on purpose: FSDP2's pre-forward hook rebuilds dataclass arguments field by field
+    (torch.distributed.utils._apply_to_tensors), which would hand each wrapped block a copy and lose the
+    losses it adds; a plain object passes through by reference.
+    `always`: record during a recompute too (a checkpointed block's own container, see `merge`)."""
+
+    def __init__(self, always: bool = False):
+        self.indexer: list = []       # (loss scalar, n_queries scalar tensor) per CSA layer
+        self.moe: list = []           # loss scalar per score-routed MoE layer
+        self.selections: dict = {}    # layer_idx -> (idx [T, k], entry_seg [N], entry_j [N])
+        self.always = always
 
     def _on(self) -> bool:
         return self.always or not recomputing()

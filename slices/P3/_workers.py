@@ -1,9 +1,9 @@
 """Multi-process worker for the P3 pipeline tests: spawned with torch.multiprocessing over gloo.
 
 It lives in the package (not in a test file) so that spawned children can import it. Each rank rebuilds the
-model from the given config and state dict, keeps its chunks, runs the pipelined step through `P2PTransport`
-and writes `<outdir>/rank<r>.pt`: metrics, the gradients of the parameters it owns (full-model names) and the
-transport's log of the shapes it sent / received.
+model from the given config and state dict, applies `parallelize` (torch.distributed.pipelining stages and
+schedule), runs the pipelined step and writes `<outdir>/rank<r>.pt`: metrics, the gradients of the parameters
+it owns (full-model names) and the shapes that crossed its chunks' boundaries.
 """
 from __future__ import annotations
 
@@ -36,27 +36,36 @@ def spawn(fn, world_size: int, *args) -> list[dict]:
 
 
 def pipeline_worker(rank, ws, port, outdir, cfg, state_dict, batches, runs):
-    """runs: [(stages (pattern or list of layer lists), vpp)]; pp = world size. One result per run."""
+    """runs: [(stages (pattern or list of layer lists), vpp, schedule)]; pp = world size. One result per run:
+    the step through `parallelize` (torch.distributed.pipelining), this rank's gradients (full-model names),
+    the global chunk ids it holds and the shapes that entered / left its chunks at stage boundaries."""
+    import datetime
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws,
+                            timeout=datetime.timedelta(seconds=60))
     from dsv4.model import pipeline as P
     from dsv4.model.model import DSv4Model
+    from dsv4.model.parallel import ParallelPlan, build_mesh, parallelize
+    ids = torch.cat([b[0] for b in batches])                     # the M micro-batches as one global batch
+    labels = torch.cat([b[1] for b in batches])
     results = []
-    for stages, vpp in runs:
+    for stages, vpp, schedule in runs:
         model = DSv4Model(cfg)
         model.load_state_dict(state_dict)
-        chunks = P.chunks_of_rank(P.split_stages(model, stages), rank, ws)
-        B, S = batches[0][0].shape
-        transport = P.P2PTransport((B, S, cfg.hc_mult, cfg.hidden_size), torch.float32)
-        group = P.embedding_group(ws, vpp, mtp=cfg.num_nextn_predict_layers > 0)
-        metrics = P.run_rank(chunks, batches, ws, vpp, rank, transport)
-        P.allreduce_embedding_grads(chunks, group)
-        grads = {}
-        for c in chunks.values():
-            for n, p in c.named_parameters():
-                grads[n] = None if p.grad is None else p.grad.clone()
-        results.append({"metrics": metrics, "grads": grads, "log": transport.log,
-                         "chunks": sorted(chunks)})
+        stage_lists = [c.layer_ids for c in P.split_stages(model, stages)]
+        plan = ParallelPlan(pp=ws, vpp=vpp, schedule=schedule, microbatches=len(batches), stages=stage_lists)
+        par = parallelize(model, build_mesh(plan, timeout_s=60), plan, batch_shape=tuple(ids.shape))
+        log = []
+        for c in par.parts:
+            if not c.is_first:
+                c.register_forward_pre_hook(lambda m, a: log.append(("recv", tuple(a[0].shape))))
+            if not c.is_last:
+                c.register_forward_hook(lambda m, a, o: log.append(("send", tuple(o.shape))))
+        metrics = par.forward_backward(ids, labels)
+        par.finish_backward()
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in par.named_parameters()}
+        results.append({"metrics": metrics, "grads": grads, "log": log, "chunks": [c.chunk_id for c in par.parts]})
+        dist.barrier()
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

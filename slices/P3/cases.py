@@ -1,7 +1,7 @@
 """P3 golden cases: one pipelined training step (PP=2, and PP=2 x VPP=2) on the debug config.
 
-The ranks are played in one process through `LoopbackTransport` (the same stage / schedule / transport code as
-the gloo runs of test_pipeline.py, without spawning processes). Outputs: the step's metrics, a few gradient
+The chunks run in one process through `run_local` (the same chunk modules and stage boundaries as the
+torch.distributed.pipelining runs of test_pipeline.py, without spawning processes). Outputs: the step's metrics, a few gradient
 norms, and the largest gradient difference against the same model run whole (expected ~1e-8).
 """
 import torch

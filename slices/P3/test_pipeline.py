@@ -1,9 +1,10 @@
-"""P3: mHC pipeline / virtual-pipeline transport (model/pipeline.py).
+"""P3: mHC pipeline / virtual-pipeline stages (model/pipeline.py over model/parallel/pipeline.py).
 
 Oracle: the same DSv4Model with the same weights run whole in this process (gradient accumulation over the same
-micro-batches, objective / M). The pipelined runs -- PP=2 and PP=2 x VPP=2 over 2 gloo processes, and the
-one-process loopback -- must give the same metrics and every parameter gradient within 1e-6 (fp32), and every
-tensor crossing a stage boundary must be the n_hc streams [B, S, n_hc, d].
+micro-batches, objective / M). The pipelined runs -- torch.distributed.pipelining through `parallelize`: PP=2
+with Schedule1F1B and ScheduleGPipe, PP=2 x VPP=2 with ScheduleInterleaved1F1B, over 2 gloo processes; and
+the one-process reference `run_local` -- must give the same metrics and every parameter gradient within 1e-6
+(fp32), and every tensor crossing a stage boundary must be the n_hc streams [B, S, n_hc, d].
 """
 import pytest
 import torch
@@ -98,7 +99,8 @@ def setup():
 def gloo_results(setup):
     from dsv4.slices.P3._workers import pipeline_worker, spawn
     cfg, sd, batches, _, _ = setup
-    return spawn(pipeline_worker, 2, cfg, sd, batches, [(PAT_PP2, 1), (PAT_VPP, 2)])
+    return spawn(pipeline_worker, 2, cfg, sd, batches,
+                 [(PAT_PP2, 1, "1f1b"), (PAT_PP2, 1, "gpipe"), (PAT_VPP, 2, "interleaved1f1b")])
 
 
 def _merge(per_rank):
@@ -111,7 +113,7 @@ def _merge(per_rank):
     return grads
 
 
-@pytest.mark.parametrize("run,vpp", [(0, 1), (1, 2)], ids=["pp2", "pp2_vpp2"])
+@pytest.mark.parametrize("run,vpp", [(0, 1), (1, 1), (2, 2)], ids=["pp2_1f1b", "pp2_gpipe", "pp2_vpp2"])
 def test_gloo_matches_whole_model(setup, gloo_results, run, vpp):
     cfg, _, _, ref_met, ref_grads = setup
     per_rank = [res[run] for res in gloo_results]
@@ -125,31 +127,39 @@ def test_gloo_matches_whole_model(setup, gloo_results, run, vpp):
     assert per_rank[1]["metrics"]["mtp_1 loss"] > 0
     for n in ("mtp.0.e_proj.weight", "mtp.0.h_proj.weight", "mtp.0.hc_head_fn", "mtp.0.attn.wq_a.weight"):
         assert grads[n].abs().max() > 0, n
-    # what crossed the boundaries: only the n_hc streams (forward) and their gradients (backward)
+    # what crossed the boundaries: only the n_hc streams (forward; the PipelineStage's gradient buffers take
+    # the same static shape, model/parallel/pipeline.stage_io)
     streams = (B, S, cfg.hc_mult, cfg.hidden_size)
     log = [e for r in per_rank for e in r["log"]]
     boundaries = 2 * vpp - 1
-    assert sorted(d for d, _ in log) == ["recv"] * (2 * M * boundaries) + ["send"] * (2 * M * boundaries)
+    assert sorted(d for d, _ in log) == ["recv"] * (M * boundaries) + ["send"] * (M * boundaries)
     assert all(s == streams for _, s in log), {s for _, s in log}
     assert cfg.hc_mult > 1
 
 
 @pytest.mark.parametrize("pattern,pp,vpp,m", [(PAT_PP2, 2, 1, 2), (PAT_VPP, 2, 2, 4), (PAT_VPP, 4, 1, 2)])
-def test_loopback_matches_whole_model(setup, pattern, pp, vpp, m):
+def test_local_matches_whole_model(setup, pattern, pp, vpp, m):
     cfg, sd, _, _, _ = setup
     batches = _batches(cfg, m, seed=2)
     ref_met, ref_grads = _whole(cfg, sd, batches)
     model = DSv4Model(cfg)
     model.load_state_dict(sd)
     chunks = P.split_stages(model, pattern)
-    transport = P.LoopbackTransport((B, S, cfg.hc_mult, cfg.hidden_size), torch.float32)
-    met = P.run_local(chunks, batches, pp, vpp, transport)
+    met = P.run_local(chunks, batches, pp, vpp)
     _compare(met, {n: p.grad for n, p in model.named_parameters()}, ref_met, ref_grads)
-    assert len(transport.log) == 2 * 2 * m * (len(chunks) - 1)
-    assert all(s == (B, S, cfg.hc_mult, cfg.hidden_size) for _, s in transport.log)
 
 
-def test_loopback_packed_layout_matches_whole_model(setup):
+def test_local_recompute_matches_whole_model(setup):
+    """Whole-block recompute inside the chunks (the model's `set_recompute`) == the whole model."""
+    cfg, sd, batches, ref_met, ref_grads = setup
+    model = DSv4Model(cfg)
+    model.load_state_dict(sd)
+    model.set_recompute(True)
+    met = P.run_local(P.split_stages(model, PAT_PP2), batches, 2)
+    _compare(met, {n: p.grad for n, p in model.named_parameters()}, ref_met, ref_grads)
+
+
+def test_local_packed_layout_matches_whole_model(setup):
     """Packed micro-batches (a Layout per micro-batch: documents in one row) through the pipeline == the whole
     model on the same layouts: the stages run the same layout-driven attention and the one loss assembler."""
     from dsv4.model.layout import Layout
@@ -164,8 +174,7 @@ def test_loopback_packed_layout_matches_whole_model(setup):
     ref_met, ref_grads = _whole(cfg, sd, batches)
     model = DSv4Model(cfg)
     model.load_state_dict(sd)
-    transport = P.LoopbackTransport((1, T, cfg.hc_mult, cfg.hidden_size), torch.float32)
-    met = P.run_local(P.split_stages(model, PAT_PP2), batches, 2, 1, transport)
+    met = P.run_local(P.split_stages(model, PAT_PP2), batches, 2, 1)
     _compare(met, {n: p.grad for n, p in model.named_parameters()}, ref_met, ref_grads)
 
 
@@ -176,14 +185,12 @@ def test_collapsed_hidden_state_is_refused(setup):
     model.load_state_dict(sd)
     chunks = P.split_stages(model, PAT_PP2)
     fwd = chunks[0].forward
-    chunks[0].forward = lambda X, ids, labels=None, layout=None: (lambda o: (o[0].mean(2), *o[1:]))(fwd(X, ids, labels, layout))
+    chunks[0].forward = lambda x, input_ids, labels, layout=None: fwd(x, input_ids, labels, layout).mean(2)  # test
     with pytest.raises(ValueError, match=r"streams shape \[B, S, n_hc, d\]"):
         P.run_local(chunks, batches, 2)
-    t = P.P2PTransport((B, S, cfg.hc_mult, cfg.hidden_size), torch.float32)
-    with pytest.raises(ValueError, match="streams shape"):
-        t.send(torch.zeros(B, S, cfg.hidden_size), 0, 1, P.FWD)
-    with pytest.raises(ValueError, match="streams shape"):
-        t.send(torch.zeros(B, S, cfg.hc_mult, cfg.hidden_size, dtype=torch.float64), 0, 1, P.FWD)
+    from dsv4.model.parallel.pipeline import stage_io
+    inp, out = stage_io(P.split_stages(model, PAT_PP2)[1], B, S, torch.float32, "cpu")
+    assert inp.shape == (B, S, cfg.hc_mult, cfg.hidden_size) and inp.requires_grad and out.shape == ()
 
 
 def test_stage_ownership(setup):
@@ -223,22 +230,24 @@ def test_stage_refusals(setup):
         P.split_stages(model, [[0, 1], [2]])
     with pytest.raises(ConfigError, match="hash layers"):
         P.split_stages(DSv4Model(cfg.replace(num_hash_layers=2)), [[0], [1, 2, 3]])
-    with pytest.raises(ConfigError, match="multiple of pp"):
-        P.build_schedule(2, 2, 3)
+    with pytest.raises(ConfigError, match="multiple of pipeline size"):
+        P.chunks_of_rank(P.split_stages(model, PAT_VPP), 0, 3)
     assert P.even_stages(4, 3) == [[0, 1], [2], [3]]
 
 
-def test_schedule_is_megatron_interleaved():
-    """All forwards then all backwards; within a phase Megatron's interleaved order (groups of pp micro-batches)."""
-    s = P.build_schedule(2, 2, 4)
-    F0 = [(0, 0), (1, 0), (0, 2), (1, 2), (2, 0), (3, 0), (2, 2), (3, 2)]
-    B0 = [(0, 2), (1, 2), (0, 0), (1, 0), (2, 2), (3, 2), (2, 0), (3, 0)]
-    assert s[0] == [("F", mb, c) for mb, c in F0] + [("B", mb, c) for mb, c in B0]
-    assert s[1] == [("F", mb, c + 1) for mb, c in F0] + [("B", mb, c + 1) for mb, c in B0]
-    assert P.build_schedule(3, 1, 2)[2] == [("F", 0, 2), ("F", 1, 2), ("B", 0, 2), ("B", 1, 2)]
+def test_schedules_are_torch_pipelining():
+    """The plan's schedule names map to torch.distributed.pipelining's schedules (no home-made executor)."""
+    import importlib
+    import inspect
+    from torch.distributed import pipelining
+    par_mod = importlib.import_module("dsv4.model.parallel.parallelize")
+    src = inspect.getsource(par_mod._schedule)
+    for name in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"):
+        assert hasattr(pipelining, name) and name in src
+    assert not hasattr(P, "build_schedule") and not hasattr(P, "P2PTransport")
 
 
-def test_loopback_bf16_streams(setup):
+def test_local_bf16_streams(setup):
     """bf16 model: the streams cross in bf16; every gradient is bit-equal to the whole model's except the shared
     embedding, whose contributions (chunk 0 and MTP, per micro-batch) are summed in another order in bf16:
     there |diff| <= 2 bf16 ulps of the row's largest entry."""
@@ -250,9 +259,7 @@ def test_loopback_bf16_streams(setup):
     piped.to_bf16()
     for ids, labels in batches:
         (whole(ids, labels).loss / len(batches)).backward()
-    transport = P.LoopbackTransport((B, S, cfg.hc_mult, cfg.hidden_size), torch.bfloat16)
-    P.run_local(P.split_stages(piped, PAT_PP2), batches, 2, 1, transport)
-    assert all(s == (B, S, cfg.hc_mult, cfg.hidden_size) for _, s in transport.log)
+    P.run_local(P.split_stages(piped, PAT_PP2), batches, 2, 1)                  # checks bf16 streams
     for (n, a), (_, b) in zip(whole.named_parameters(), piped.named_parameters()):
         assert (a.grad is None) == (b.grad is None), n
         if a.grad is None:
