@@ -30,7 +30,8 @@ from dsv4.harness import dcp_checkpoint as dcpk
 from dsv4.harness.data import GPTSamples, IndexedTokens, build_text_dataset, text_documents
 from dsv4.harness.flops import flops_per_token
 from dsv4.harness.optim import build_optimizer, lr_at
-from dsv4.harness.train import (Recipe, TrainError, _atomic_json, _git_sha, config_hash, golden_values)
+from dsv4.harness.goldens import atomic_write_json
+from dsv4.harness.train import Recipe, TrainError, _git_sha, config_hash, golden_values
 from dsv4.model.config import get_config
 from dsv4.model.parallel import ParallelPlan, build_mesh, init_distributed, parallelize, single
 from dsv4.model.parallel.parallelize import PlanError
@@ -134,7 +135,7 @@ def _loop(recipe, out, plan, seed, resume, device, world, rank, log, optimizer="
         log(f"resumed from {resume} at step {step0} (saved on mesh {meta.get('mesh')}, now {mesh_info})")
 
     if rank == 0:
-        _atomic_json(os.path.join(out, "run.json"), {
+        atomic_write_json(os.path.join(out, "run.json"), {
             "recipe": asdict(recipe), "config": recipe.config, "config_hash": config_hash(cfg), "seed": seed,
             "git_sha": _git_sha(), "torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "machine": platform.machine(), "device": str(device),
@@ -187,5 +188,5 @@ def _loop(recipe, out, plan, seed, resume, device, world, rank, log, optimizer="
                "config_hash": config_hash(cfg)}
     if rank == 0:
         metrics_f.close()
-        _atomic_json(os.path.join(out, "golden_values.json"), golden_values(history))
+        atomic_write_json(os.path.join(out, "golden_values.json"), golden_values(history))
     return summary
