@@ -1,0 +1,38 @@
+"""X2: `dsv4 generate` -- one JSON document on stdout, the API's tokens, --init from a converted checkpoint,
+bad input in one line with exit 2."""
+import json
+
+import torch
+from click.testing import CliRunner
+
+from dsv4.harness.generate_cli import generate_cmd
+from dsv4.model.convert import to_hf
+from dsv4.model.generate import generate
+
+from ._models import debug_model
+
+
+def test_cli_json_equals_api(tmp_path):
+    torch.set_num_threads(1)
+    model = debug_model(seed=4)
+    to_hf(model, str(tmp_path / "hf"))
+    r = CliRunner().invoke(generate_cmd, ["--init", str(tmp_path / "hf"), "--ids", "5,6,7,8,9", "--ids", "3,4",
+                                          "--max-new-tokens", "6", "--eos", "-1", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    assert doc["source"] == "hf" and doc["cache_bytes"] > 0
+    # left padded batch == each row alone through the API
+    for row, new in zip(([5, 6, 7, 8, 9], [3, 4]), doc["new_tokens"]):
+        ref = generate(model.eval(), torch.tensor([row]), max_new_tokens=6).new_tokens[0].tolist()
+        assert new == ref
+    r = CliRunner().invoke(generate_cmd, ["--config", "debug", "--prompt", "def f(x):", "--max-new-tokens", "4",
+                                          "--temperature", "0.8", "--top-p", "0.9", "--json"])
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.stdout.strip().splitlines()[-1])["new_tokens"][0]) <= 4
+
+
+def test_cli_bad_input_one_line(tmp_path):
+    r = CliRunner().invoke(generate_cmd, ["--init", str(tmp_path / "nowhere"), "--ids", "1"])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and "nowhere" in r.output
+    r = CliRunner().invoke(generate_cmd, ["--config", "debug", "--ids", "1,999"])
+    assert r.exit_code == 2 and "vocabulary" in r.output
