@@ -115,7 +115,8 @@ def _finite(x: float):
 
 
 def _unfinite(x) -> float:
-    return float(x) if not isinstance(x, str) else float(x)
+    """The inverse of `_finite`: float("nan" | "inf" | "-inf") parses the strings, float(x) the numbers."""
+    return float(x)
 
 
 def encode_outputs(outputs: dict, max_elems: int) -> dict:

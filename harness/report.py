@@ -12,10 +12,6 @@ from .thresholds import CHECK_THRESHOLDS, DEFAULT_METRICS, compare_metric
 METRIC_KEYS = {"start_step", "end_step", "step_interval", "values"}
 
 
-class CompareError(ValueError):
-    pass
-
-
 def load_curves(path: Path) -> tuple[dict, dict]:
     """(metrics in Megatron golden format, provenance) from a run dir, a Megatron JSON, or a dsv4 golden."""
     path = Path(path)

@@ -135,6 +135,8 @@ class DSv4Attention(nn.Module):
         [B*S, B*S/m])."""
         backend = backend or self.backend
         B, S, d = h.shape
+        if isinstance(layout, torch.Tensor):
+            raise TypeError("DSv4Attention: the second argument is a Layout; pass RoPE positions as positions=...")
         if layout is None:
             layout = Layout.batch(B, S, h.device, positions)
         elif positions is not None:
@@ -153,6 +155,8 @@ class DSv4Attention(nn.Module):
         if B == 1:
             o, sel, loss = self._mix(x, cq, q, kv, (seg, pos, rope_pos, q0), layout, backend)
         else:                                                                   # one stream per row (no halo)
+            if q0:
+                raise ValueError("DSv4Attention: a layout with a halo (context parallel) must describe one row [1, C]")
             rows = [self._mix(x[r * S:(r + 1) * S], cq[r * S:(r + 1) * S], q[r * S:(r + 1) * S],
                               kv[r * S:(r + 1) * S], tuple(t[r * S:(r + 1) * S] for t in (seg, pos, rope_pos)) + (0,),
                               layout, backend) for r in range(B)]

@@ -168,7 +168,8 @@ def indexer_kl_loss(scores: torch.Tensor, target: torch.Tensor, cand: torch.Tens
                     chunk: int = 4096) -> torch.Tensor:
     """Mean over queries with >= 1 candidate of KL(target[t] || softmax over the candidates of scores[t]).
 
-    scores [S,B,T] (the indexer's I, differentiable), target [S,B,T] (detached, 0 outside cand), cand [S,B,T].
+    scores [..., N] (the indexer's I, [Tq, N] in the model; differentiable), target [..., N] (detached, 0 outside
+    cand), cand [..., N] bool: every leading index is one query.
     Queries without any candidate (t < m-1) are left out of the mean; returns 0 (with a graph) if none has one.
     Gradient (per row with candidates, N of them): (softmax_cand(scores) * sum(target) - target) / N on the
     candidates, 0 elsewhere. No host synchronisation.

@@ -85,7 +85,8 @@ class ModelChunk(nn.Module):
                 m.backend = backend
         return self
 
-    def forward(self, X: torch.Tensor | None, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+    def forward(self, X: torch.Tensor | None, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                layout: Layout | None = None):
         """X [B, S, n, d] streams (None on chunk 0), input_ids [B, S], labels [B, S] (last chunk).
 
         Returns (out, aux, metrics): out = the streams [B, S, n, d] (not last) or the scalar lm + lambda * mtp
@@ -94,7 +95,8 @@ class ModelChunk(nn.Module):
         """
         cfg = self.cfg
         B, S = input_ids.shape
-        layout = Layout.batch(B, S, input_ids.device)                              # B documents of S tokens
+        if layout is None:
+            layout = Layout.batch(B, S, input_ids.device)                          # B documents of S tokens
         aux = AuxLosses()
         if self.is_first:
             X = expand_streams(self.embed(input_ids), cfg.hc_mult)                 # [B, S, d] -> [B, S, n, d]
@@ -300,13 +302,13 @@ def _ready(st: _RankState, transport, pp: int, num_chunks: int) -> bool:
 def _step(st: _RankState, transport, batches, pp: int, num_chunks: int):
     kind, mb, c = st.actions[st.pos]
     st.pos += 1
-    ids, labels = batches[mb]
+    ids, labels, *lay = batches[mb]                                # (ids, labels[, layout]): a packed micro-batch
     chunk, M = st.chunks[c], len(batches)
     if kind == "F":
         X = None
         if c > 0:
             X = transport.recv(chunk_owner(c - 1, pp), st.rank, FWD).requires_grad_(True)   # [B, S, n, d]
-        out, aux, metrics = chunk(X, ids, labels if chunk.is_last else None)
+        out, aux, metrics = chunk(X, ids, labels if chunk.is_last else None, lay[0] if lay else None)
         st.metrics.append(metrics)
         if not chunk.is_last:
             transport.send(out, st.rank, chunk_owner(c + 1, pp), FWD)

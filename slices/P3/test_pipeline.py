@@ -58,8 +58,8 @@ def _whole(cfg, sd, batches):
     model = DSv4Model(cfg)
     model.load_state_dict(sd)
     met = {}
-    for ids, labels in batches:
-        out = model(ids, labels)
+    for ids, labels, *lay in batches:                 # (ids, labels[, layout])
+        out = model(ids, labels, layout=lay[0] if lay else None)
         (out.loss / len(batches)).backward()
         for k, v in list(out.losses.items()) + [("loss", out.loss.detach())]:
             met[k] = met.get(k, 0.0) + v.item() / len(batches)
@@ -146,6 +146,26 @@ def test_loopback_matches_whole_model(setup, pattern, pp, vpp, m):
     assert all(s == (B, S, cfg.hc_mult, cfg.hidden_size) for _, s in transport.log)
 
 
+def test_loopback_packed_layout_matches_whole_model(setup):
+    """Packed micro-batches (a Layout per micro-batch: documents in one row) through the pipeline == the whole
+    model on the same layouts: the stages run the same layout-driven attention and the one loss assembler."""
+    from dsv4.model.layout import Layout
+    cfg, sd, _, _, _ = setup
+    g = torch.Generator().manual_seed(4)
+    T = B * S
+    batches = []
+    for cu, cup in (([0, 5, 19, T - 2], [0, 6, 21, T]), ([0, 11, T], None)):
+        ids = torch.randint(0, cfg.vocab_size, (1, T), generator=g)
+        labels = torch.randint(0, cfg.vocab_size, (1, T), generator=g)
+        batches.append((ids, labels, Layout.packed(torch.tensor(cu), (1, T), None if cup is None else torch.tensor(cup))))
+    ref_met, ref_grads = _whole(cfg, sd, batches)
+    model = DSv4Model(cfg)
+    model.load_state_dict(sd)
+    transport = P.LoopbackTransport((1, T, cfg.hc_mult, cfg.hidden_size), torch.float32)
+    met = P.run_local(P.split_stages(model, PAT_PP2), batches, 2, 1, transport)
+    _compare(met, {n: p.grad for n, p in model.named_parameters()}, ref_met, ref_grads)
+
+
 def test_collapsed_hidden_state_is_refused(setup):
     """A stage that sends one hidden state [B, S, d] (streams collapsed) instead of [B, S, n, d] must fail."""
     cfg, sd, batches, _, _ = setup
@@ -153,7 +173,7 @@ def test_collapsed_hidden_state_is_refused(setup):
     model.load_state_dict(sd)
     chunks = P.split_stages(model, PAT_PP2)
     fwd = chunks[0].forward
-    chunks[0].forward = lambda X, ids, labels=None: (lambda o: (o[0].mean(2), *o[1:]))(fwd(X, ids, labels))
+    chunks[0].forward = lambda X, ids, labels=None, layout=None: (lambda o: (o[0].mean(2), *o[1:]))(fwd(X, ids, labels, layout))
     with pytest.raises(ValueError, match=r"streams shape \[B, S, n_hc, d\]"):
         P.run_local(chunks, batches, 2)
     t = P.P2PTransport((B, S, cfg.hc_mult, cfg.hidden_size), torch.float32)
