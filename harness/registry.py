@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 SLICES_DIR = REPO / "slices"
 PLATFORMS = ("cpu", "h200", "h100", "gb200")
 STATUSES = ("planned", "implemented", "verified")
-KINDS = ("external", "prerequisite", "dsv4")
+KINDS = ("external", "prerequisite", "dsv4", "extension")   # extension: X1, X2, ... beyond the merge plan
 
 # field -> python type it must have
 REQUIRED = {
