@@ -2,8 +2,9 @@
 
 The cache of one attention layer, per batch row (rows may have different lengths: padding is never cached):
 
-    window    ring buffer [n_win, c] of the K = V rows (kv_norm + RoPE applied); token at position p lives in slot
-              p % n_win; a query sees the last n_win - 1 cached rows plus the new ones (spec §5.2).
+    window    ring buffer [n_win + 1, c] of the K = V rows (kv_norm + RoPE applied); the token at position p lives
+              in slot p % (n_win + 1); a query sees the last n_win - 1 cached rows plus the new ones (spec §5.2);
+              the two spare slots let MTP speculation roll back a rejected draft.
     compressor (CSA / HCA) partial state: the PROJECTED rows (wkv(h), wgate(h), [coff*D] each) of the tokens of
               the not-yet-complete group, and for CSA (overlap, coff = 2) also of the previous complete group,
               whose first channel half seeds slots 0..m-1 of the next entry (spec §6.3, §6.5). At most m' - 1 rows
@@ -17,7 +18,7 @@ HyperHead), which the MTP head consumes (spec §10.1), and the per-row lengths.
 Memory per cached token (elements of the model dtype; partial states are O(m) per layer and not counted):
     n_hc*d                                 final streams (keep_streams=True)
   + sum_CSA (c + c_I) / m  + sum_HCA c / m'  compressed entries and indexer keys
-and a constant n_win * c per layer for the ring buffers. Flash (d 4096, c 512, c_I 128, m 4, m' 128, 21 CSA,
+and a constant (n_win + 1) * c per layer for the ring buffers. Flash (d 4096, c 512, c_I 128, m 4, m' 128, 21 CSA,
 20 HCA layers): 21 * 640 / 4 + 20 * 512 / 128 = 3440 elements = 6.9 KB/token in bf16 for attention, plus
 16384 elements (32 KB/token in bf16) for the streams when they are kept for every position.
 
@@ -85,7 +86,8 @@ class LayerCache:
     def __init__(self, attn, B: int, dtype, device):
         self.kind, self.window = attn.kind, attn.window
         c = attn.head_dim
-        self.ring = torch.zeros(B, attn.window, c, dtype=dtype, device=device)
+        self.slots = attn.window + 1            # n_win - 1 rows a query needs, + 2: a one-token rollback re-runs
+        self.ring = torch.zeros(B, self.slots, c, dtype=dtype, device=device)   # the rolled-back position
         self.comp: list[_CompState] | None = None
         self.index: list[_CompState] | None = None
 
@@ -122,6 +124,29 @@ class DSv4Cache:
         self.streams = [_Rows((cfg.hc_mult, cfg.hidden_size), dtype, p.device) for _ in range(batch_size)] \
             if keep_streams else None
         self.last_streams = torch.zeros(batch_size, cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=p.device)
+        self.mtp_lengths = [0] * batch_size
+
+    def snapshot(self):
+        """The small state that one more step changes (lengths, compressor partial states, entry counts,
+        stream counts); `restore` rolls the cache back to it. The window ring keeps n_win + 1 slots for the
+        n_win - 1 rows a query needs, so a rollback of a TWO-token step followed by a re-run of its first token
+        never reads an overwritten row."""
+        def comp(sts):
+            return None if sts is None else [(s.kv, s.gate, s.entries.n) for s in sts]
+        return (list(self.lengths), list(self.mtp_lengths), self.last_streams.clone(),
+                None if self.streams is None else [r.n for r in self.streams],
+                [(comp(lc.comp), comp(lc.index)) for lc in self.layers + self.mtp_layers])
+
+    def restore(self, snap) -> None:
+        self.lengths, self.mtp_lengths, self.last_streams, sn, layers = list(snap[0]), list(snap[1]), snap[2], \
+            snap[3], snap[4]
+        if sn is not None:
+            for r, n in zip(self.streams, sn):
+                r.n = n
+        for lc, (c, i) in zip(self.layers + self.mtp_layers, layers):
+            for sts, saved in ((lc.comp, c), (lc.index, i)):
+                for st, (kv, gate, n) in zip(sts or [], saved or []):
+                    st.kv, st.gate, st.entries.n = kv, gate, n
 
     def nbytes(self) -> int:
         n = sum(lc.nbytes() for lc in self.layers)
@@ -203,7 +228,8 @@ def attention_step(attn, h: torch.Tensor, lc: LayerCache, rows, backend: str | N
             continue
         tok = b * n + idx
         w0 = min(L, W - 1)
-        ring_rows = lc.ring[b, torch.arange(L - w0, L, device=h.device) % W]
+        R = lc.slots
+        ring_rows = lc.ring[b, torch.arange(L - w0, L, device=h.device) % R]
         keys = torch.cat([ring_rows, kv[tok]])                                  # [w0 + t, c]
         kpos = torch.arange(L - w0, L + t, device=h.device)
         kseg = torch.zeros_like(kpos)
@@ -222,8 +248,8 @@ def attention_step(attn, h: torch.Tensor, lc: LayerCache, rows, backend: str | N
                 sel = None                                                      # CSA without top-k
         o[tok] = sparse_attn(q[tok], keys, comp, sel, attn.attn_sink, W, attn.ratio or 1, attn.scale, kseg, kpos,
                              eseg, ej, w0, backend=backend)
-        keep = min(t, W)                                                        # the ring holds the last W rows
-        lc.ring[b, kpos[-keep:] % W] = kv[tok[-keep:]]
+        keep = min(t, R)                                                        # the ring holds the last R rows
+        lc.ring[b, kpos[-keep:] % R] = kv[tok[-keep:]]
     # --- inverse RoPE and grouped low-rank output (DSv4Attention.forward)
     o = attn.rope(o, pos_all, inverse=True).reshape(B * n, g, H * c // g)
     z = torch.einsum("tgi,gri->tgr", o, attn.wo_a.weight.view(g, -1, H * c // g))
@@ -267,6 +293,79 @@ def forward_step(model, cache: DSv4Cache, input_ids: torch.Tensor, mask: torch.T
             cache.lengths[b] += idx.numel()
     logits = model.head(y)
     return (logits, X) if return_streams else logits
+
+
+@torch.no_grad()
+def mtp_step(model, cache: DSv4Cache, streams: torch.Tensor, next_ids: torch.Tensor,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The MTP head (spec §10.1) on n new MTP positions per row: streams [B, n, hc, d] = the main model's final
+    streams X_L at those positions, next_ids [B, n] = the token AFTER each position -> MTP logits [B, n, V]
+    (position t predicts token t+2). The MTP block's own window cache is cache.mtp_layers[0]."""
+    if not len(model.mtp):
+        raise CacheError("mtp_step: the model has no MTP layer")
+    B, n = next_ids.shape
+    if mask is None:
+        mask = torch.ones(B, n, dtype=torch.bool, device=next_ids.device)
+    mtp = model.mtp[0]
+    rows = _rows(mask, cache.mtp_lengths)
+    e = model.embed(next_ids)
+    X0 = mtp.e_proj(mtp.enorm(e)).unsqueeze(2) + mtp.h_proj(mtp.hnorm(streams))   # MTPBlock.forward
+    X1 = _block_step(mtp, X0, next_ids, cache.mtp_layers[0], rows)
+    y = mtp.norm(hc_head(X1, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, model.cfg, mtp.backend))
+    for b, (idx, _) in enumerate(rows):
+        cache.mtp_lengths[b] += idx.numel()
+    return model.head(y)
+
+
+@torch.no_grad()
+def speculative_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 16,
+                         eos_token_id: int | None = None) -> tuple[torch.Tensor, dict]:
+    """Greedy decoding with MTP self-speculation (depth 1), one row: the MTP head drafts token t+2 from the
+    streams of position t and token t+1; the main model verifies [t+1, draft] in one 2-token step. Accepted:
+    two tokens for one main step (plus the bonus prediction). Rejected: the cache is rolled back one token
+    (snapshot / restore) and the main model's own token is kept. Returns (new tokens [1, n], stats) -- the same
+    tokens as greedy `generate` (slices/X2/test_speculative.py)."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise CacheError(f"speculative_generate: one row [1, S], got {tuple(input_ids.shape)}")
+    was = model.training
+    model.eval()
+    try:
+        S = input_ids.shape[1]
+        cache = DSv4Cache(model, 1)
+        lg, X = forward_step(model, cache, input_ids, return_streams=True)
+        nxt = lg[0, -1].argmax()
+        out = [int(nxt)]
+        # MTP over the prompt: position t uses token t+1 (the last one: the token just chosen)
+        nid = torch.cat([input_ids[0, 1:], nxt[None]])[None]
+        d = mtp_step(model, cache, X, nid)[0, -1].argmax()
+        stats = {"main_steps": 1, "accepted": 0, "rejected": 0}
+        def done():
+            return len(out) >= max_new_tokens or (eos_token_id is not None and eos_token_id in out)
+        while not done():
+            snap = cache.snapshot()
+            lg, X = forward_step(model, cache, torch.stack([nxt, d])[None], return_streams=True)
+            stats["main_steps"] += 1
+            a = lg[0, 0].argmax()
+            if int(a) == int(d):                                    # draft accepted: d and the bonus token
+                stats["accepted"] += 1
+                bonus = lg[0, 1].argmax()
+                out += [int(d), int(bonus)]
+                mt = mtp_step(model, cache, X, torch.stack([d, bonus])[None])
+                nxt, d = bonus, mt[0, -1].argmax()
+            else:                                                   # rejected: roll back the draft token
+                stats["rejected"] += 1
+                cache.restore(snap)
+                lg, X = forward_step(model, cache, nxt[None, None], return_streams=True)
+                a = lg[0, 0].argmax()
+                out.append(int(a))
+                mt = mtp_step(model, cache, X, a[None, None])
+                nxt, d = a, mt[0, -1].argmax()
+        if eos_token_id is not None and eos_token_id in out:
+            out = out[:out.index(eos_token_id) + 1]
+        out = out[:max_new_tokens]
+        return torch.tensor([out], dtype=input_ids.dtype, device=input_ids.device), stats
+    finally:
+        model.train(was)
 
 
 # --------------------------------------------------------------------------------------------- sampling
