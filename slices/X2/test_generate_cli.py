@@ -36,3 +36,21 @@ def test_cli_bad_input_one_line(tmp_path):
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and "nowhere" in r.output
     r = CliRunner().invoke(generate_cmd, ["--config", "debug", "--ids", "1,999"])
     assert r.exit_code == 2 and "vocabulary" in r.output
+
+
+def test_init_from_a_dsv4_training_run(tmp_path):
+    """--init RUN_DIR: the run's last checkpoint (config from meta.json) loads with its trained weights."""
+    from dataclasses import replace
+
+    from dsv4.harness.loading import load_model
+    from dsv4.harness.train import RECIPES, train
+    from safetensors.torch import load_file
+    torch.set_num_threads(1)
+    train(replace(RECIPES["debug"], steps=2, save_interval=1), str(tmp_path), seed=1, progress=False)
+    model, src = load_model(str(tmp_path))
+    assert src == "dsv4:step_000002"
+    saved = load_file(str(tmp_path / "checkpoints" / "step_000002" / "model.safetensors"))
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    r = CliRunner().invoke(generate_cmd, ["--init", str(tmp_path), "--ids", "1,2,3", "--max-new-tokens", "3",
+                                          "--json"])
+    assert r.exit_code == 0, r.output
