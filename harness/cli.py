@@ -22,6 +22,7 @@ LAZY = {   # commands that live beside the code they drive
     "train": ("dsv4.harness.train", "train_cmd"),
     "flops": ("dsv4.harness.flops", "flops_cmd"),
     "convert": ("dsv4.harness.convert_cli", "convert_cmd"),
+    "generate": ("dsv4.harness.generate_cli", "generate_cmd"),
 }
 
 

@@ -79,6 +79,16 @@ class Recipe:
     packing: bool = False           # THD: documents packed into one [1, B*S] row per step (P7 scheduler)
     text_errors: str = "strict"     # text files that are not UTF-8: strict (refuse) | replace (U+FFFD)
     compile: bool = False           # torch.compile every block (DSv4Model.compile_blocks); same math
+    # --- opt-in extensions (issue 18; the defaults keep the debug / tiny / proxy runs and their goldens) ---
+    lr_schedule: str = "cosine"     # cosine | wsd (warm-up, stable until decay_start, cosine) -- harness/schedule.py
+    decay_start: int = 0            # wsd: last step at the peak LR
+    mtp_weight_after_decay: float | None = None   # DSv4 §10.2: MTP weight 0.3 -> this (0.1) once the LR decays
+    curriculum: str | None = None   # long-context stages (harness/curriculum.py); packed rows of each stage's length
+    sft: bool = False               # SFT: chat JSONL, assistant-only labels, packed rows (harness/sft.py)
+    sft_data: str | None = None     # chat JSONL (default: the synthetic arithmetic chats)
+    tokenizer: str | None = None    # tokenizer.json for sft_data (default: byte-level)
+    init: str | None = None         # start from a checkpoint: HF / official dir or a dsv4 run (harness/loading.py)
+    recompute: bool = False         # whole-block activation recompute (long sequences)
 
 
 RECIPES = {
@@ -89,6 +99,18 @@ RECIPES = {
     # one H200 (issue 7 proxy model), bf16
     "proxy": Recipe("proxy", batch_size=1, seq_len=4096, steps=100, lr=2.7e-4, min_lr=2.7e-5, warmup=10,
                     device="cuda", dtype="bf16", threads=8),
+    # --- issue 18 extensions (X5 SFT / X4 schedules) ---
+    # SFT of the debug model on the synthetic chats (or --sft-data), 2 x 64 tokens packed per step
+    "sft-debug": Recipe("debug", batch_size=2, seq_len=64, steps=8, lr=3e-3, min_lr=3e-4, warmup=2, sft=True),
+    # the DSv4 MTP schedule on a warm-up-stable-decay LR: MTP weight 0.3 for steps <= 8, 0.1 after
+    "wsd-debug": Recipe("debug", batch_size=2, seq_len=32, steps=12, lr=1e-2, min_lr=1e-3, warmup=2,
+                        lr_schedule="wsd", decay_start=8, mtp_weight_after_decay=0.1),
+    # long-context curriculum on CPU (tiny lengths) and on one H200 (4K -> 16K -> 64K)
+    "long-debug": Recipe("debug", batch_size=1, seq_len=128, steps=10, lr=1e-2, min_lr=1e-3, warmup=2,
+                         curriculum="debug-long"),
+    "long-proxy": Recipe("proxy", batch_size=1, seq_len=65536, steps=75, lr=2.7e-4, min_lr=2.7e-5, warmup=10,
+                         device="cuda", dtype="bf16", threads=8, curriculum="proxy-long", recompute=True,
+                         lr_schedule="wsd", decay_start=65, mtp_weight_after_decay=0.1),
 }
 
 
@@ -315,20 +337,48 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
 
-    cfg = get_config(recipe.config)
+    from dsv4.harness import schedule as sched
+    init_model = None
+    if recipe.init:
+        from dsv4.harness.loading import load_model
+        init_model, _ = load_model(recipe.init)
+        cfg = init_model.cfg
+    else:
+        cfg = get_config(recipe.config)
+    cfg_hash = config_hash(cfg)                       # before the per-step schedule settings below mutate cfg
+    base_mtp = (cfg.mtp_loss_scaling_factor, cfg.indexer_loss_mode)
+    sched.decay_start(recipe)                         # validates the schedule
     docs = text_documents(list(recipe.text), recipe.text_errors) if recipe.text else None
     data_info = build_text_dataset(os.path.join(out, "data", "corpus"), docs)
     if data_info["tokens"] and cfg.vocab_size < 256:
         raise TrainError(f"train.config: vocab_size {cfg.vocab_size} < 256 cannot hold byte tokens")
     corpus = IndexedTokens(os.path.join(out, "data", "corpus"))
-    if recipe.packing:
+    packed_src = stages = None
+    if recipe.sft:
+        from dsv4.harness.sft import SFTSource, read_chat_jsonl, synthetic_chats
+        from dsv4.harness.tokenizer import load_tokenizer
+        tok = load_tokenizer(recipe.tokenizer)
+        if tok.vocab_size > cfg.vocab_size:
+            raise TrainError(f"train.tokenizer: vocabulary {tok.vocab_size} > the model's {cfg.vocab_size}")
+        convs = read_chat_jsonl(recipe.sft_data) if recipe.sft_data else synthetic_chats(256, seed)
+        packed_src = SFTSource(convs, tok, recipe.batch_size * recipe.seq_len, seed)
+        data_info["sft"] = {"conversations": len(convs), "data": recipe.sft_data or "synthetic",
+                            "tokenizer": recipe.tokenizer or "byte"}
+    elif recipe.curriculum:
+        from dsv4.harness.curriculum import CurriculumSource, get_curriculum
+        stages = get_curriculum(recipe.curriculum)
+        packed_src = CurriculumSource(corpus, stages, seed, PackedSource)
+    elif recipe.packing:
         packed_src = PackedSource(corpus, recipe.batch_size * recipe.seq_len, seed)
     else:
         samples = GPTSamples(corpus, recipe.seq_len, seed)
 
     torch.manual_seed(seed)
     # fp64: every parameter in double precision (P1's FP32-kept tensors included) -- the cross-host golden runs
-    model = model_factory(cfg).to(device, torch.float64) if recipe.dtype == "fp64" else model_factory(cfg).to(device)
+    model = init_model if init_model is not None else model_factory(cfg)
+    model = model.to(device, torch.float64) if recipe.dtype == "fp64" else model.to(device)
+    if recipe.recompute:
+        model.set_recompute(True)
     if recipe.backend != "naive":
         if recipe.backend != "triton" or not hasattr(model, "set_kernel_backend"):
             raise TrainError(f"train.backend: must be naive|triton, got {recipe.backend!r}")
@@ -351,7 +401,7 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
         def core(r):
             return {k: v for k, v in r.items() if k not in ("steps", "save_interval", "compile")}
         now = json.loads(json.dumps(asdict(recipe)))                        # tuples -> lists, as stored
-        if meta["config_hash"] != config_hash(cfg) or core(meta["recipe"]) != core(now):
+        if meta["config_hash"] != cfg_hash or core(meta["recipe"]) != core(now):
             raise TrainError(f"resume: checkpoint {resume!r} was made with another recipe/config")
         if meta["seed"] != seed:
             raise TrainError(f"resume: checkpoint seed {meta['seed']} != --seed {seed}")
@@ -364,7 +414,7 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
     prov = G.provenance(_platform_name(device), config=json.loads(json.dumps(asdict(recipe))), seed=seed)
     G.atomic_write_json(os.path.join(out, "provenance.json"), prov)
 
-    run_info = {"recipe": asdict(recipe), "config": recipe.config, "config_hash": config_hash(cfg), "seed": seed,
+    run_info = {"recipe": asdict(recipe), "config": recipe.config, "config_hash": cfg_hash, "seed": seed,
                 "git_sha": _git_sha(), "torch": torch.__version__, "python": platform.python_version(),
                 "platform": platform.platform(), "machine": platform.machine(), "device": str(device),
                 "device_name": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
@@ -394,17 +444,20 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
     def save(step):
         ckpt.save_checkpoint(ckpt_dir, step, model, opt.state_dict(),
                              {"history": history, "consumed_samples": step * recipe.batch_size, "seed": seed,
-                              "config_hash": config_hash(cfg), "recipe": asdict(recipe),
-                              "model_config": cfg.to_dict()})
+                              "config_hash": cfg_hash, "recipe": asdict(recipe),
+                              "model_config": _cfg_dict(cfg, base_mtp)})
     try:
         for step in range(step0 + 1, recipe.steps + 1):
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            lr = lr_at(step, recipe.lr, recipe.warmup, recipe.steps, recipe.min_lr)
+            lr = sched.lr_for(recipe, step)
             opt.set_lr(lr)
-            if recipe.packing:
+            cfg.mtp_loss_scaling_factor = sched.mtp_weight_for(recipe, step, base_mtp[0])
+            if stages is not None:
+                cfg.indexer_loss_mode = packed_src.stage(step).indexer_loss_mode
+            if packed_src is not None:
                 pb = packed_src.batch(step - 1)
                 x = torch.from_numpy(pb["tokens"])[None].to(device)               # [1, B*S]
                 y = torch.from_numpy(pb["labels"])[None].to(device)
@@ -455,6 +508,10 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
                    "tflops": step_flops / dt / 1e12, "fwd-bwd-time": t_fb, "tokens": float(real_tokens),
                    "optimizer-time": dt - t_fb}
             rec.update({k: float(v) for k, v in o.losses.items()})
+            if recipe.mtp_weight_after_decay is not None:
+                rec["mtp-weight"] = cfg.mtp_loss_scaling_factor
+            if stages is not None:
+                rec["seq-len"] = float(packed_src.stage(step).seq_len)
             imb = [max(v) * len(v) / sum(v) for v in step_loads.values() if sum(v)]
             if imb:
                 rec["moe-max-over-mean"] = max(imb)                                # busiest expert / mean, worst layer
@@ -490,8 +547,16 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
                "median_iteration_time": sorted(h["iteration-time"] for h in history)[len(history) // 2],
                "tokens_per_sec": tokens_per_step / (sorted(h["iteration-time"] for h in history)[len(history) // 2]),
                "flops_per_token": fl, "golden_values": os.path.join(os.path.abspath(out), "golden_values.json"),
-               "config_hash": config_hash(cfg)}
+               "config_hash": cfg_hash}
     return summary
+
+
+def _cfg_dict(cfg, base_mtp) -> dict:
+    """The config as built (a checkpoint of an --init run must name it; harness/loading.py reads it), with the
+    per-step schedule settings reset."""
+    d = cfg.to_dict()
+    d["mtp_loss_scaling_factor"], d["indexer_loss_mode"] = base_mtp
+    return d
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -517,6 +582,17 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
                    "replace (U+FFFD)")
 @click.option("--packing/--no-packing", default=None, help="THD: pack whole documents into one row per step")
 @click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile every block")
+@click.option("--init", "init", type=click.Path(), default=None,
+              help="start from a checkpoint: HF / official directory or a dsv4 run")
+@click.option("--sft-data", type=click.Path(), default=None, help="SFT recipes: chat JSONL ({'messages': [...]})")
+@click.option("--tokenizer", type=click.Path(), default=None, help="tokenizer.json for --sft-data (default: bytes)")
+@click.option("--curriculum", default=None, help="long-context stages (harness/curriculum.py: debug-long, "
+              "proxy-long)")
+@click.option("--lr-schedule", type=click.Choice(["cosine", "wsd"]), default=None)
+@click.option("--decay-start", type=int, default=None, help="wsd: last step at the peak LR")
+@click.option("--mtp-weight-after-decay", type=float, default=None,
+              help="MTP loss weight once the LR decays (DSv4: 0.3 -> 0.1)")
+@click.option("--recompute/--no-recompute", default=None, help="whole-block activation recompute")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON summary on stdout (strict JSON: non-finite "
               "floats as \"nan\" / \"inf\" / \"-inf\")")
 @click.option("--dp", type=int, default=None, help="data parallel (FSDP2) size; any parallel flag or torchrun's "
@@ -535,14 +611,18 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
 @click.option("--fsdp-bf16", is_flag=True, help="FSDP2 bf16 all-gather / compute (P1's FP32-kept parameters "
               "outside FSDP) instead of FP32 masters under autocast; needs --dp > 1, --pp 1, --dtype fp32")
 def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, final_checkpoint, overwrite, threads,
-              backend, text, text_errors, packing, compile_, as_json, dp, pp, vpp, cp, ep, schedule, microbatches,
+              backend, text, text_errors, packing, compile_, init, sft_data, tokenizer, curriculum, lr_schedule,
+              decay_start, mtp_weight_after_decay, recompute, as_json, dp, pp, vpp, cp, ep, schedule, microbatches,
               timeout_s, optimizer, fsdp_bf16):
     """Train a DSv4 model on one device (debug: seconds on CPU; tiny: the CPU loss-curve golden), or under
     torchrun on a (pp, dp, cp, ep) mesh with --dp/--pp/--vpp/--cp/--ep."""
     r = RECIPES[recipe]
     kw = {k: v for k, v in dict(steps=steps, device=device, dtype=dtype, save_interval=save_interval,
                                  threads=threads, backend=backend, text=tuple(text) or None,
-                                 text_errors=text_errors, packing=packing, compile=compile_).items()
+                                 text_errors=text_errors, packing=packing, compile=compile_, init=init,
+                                 sft_data=sft_data, tokenizer=tokenizer, curriculum=curriculum,
+                                 lr_schedule=lr_schedule, decay_start=decay_start,
+                                 mtp_weight_after_decay=mtp_weight_after_decay, recompute=recompute).items()
           if v is not None}
     try:
         if steps is not None and steps < 1:
@@ -553,7 +633,12 @@ def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, fi
             raise TrainError(f"train.threads: must be >= 1, got {threads}")
         if resume and "steps" not in kw:
             raise TrainError("train.steps: --resume needs --steps (the total number of steps)")
+        if sft_data or tokenizer:
+            kw["sft"] = True
         r = Recipe(**{**asdict(r), **kw})
+        if r.curriculum and "steps" not in kw:
+            from dsv4.harness.curriculum import get_curriculum, total_steps
+            r = Recipe(**{**asdict(r), "steps": total_steps(get_curriculum(r.curriculum))})
         par = dict(dp=dp, pp=pp, vpp=vpp, cp=cp, ep=ep, schedule=schedule, microbatches=microbatches)
         if any(v is not None for v in par.values()) or optimizer is not None or fsdp_bf16 or \
                 int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -569,7 +654,7 @@ def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, fi
         else:
             res = train(r, out or os.path.join("runs", recipe), seed=seed, resume=resume, progress=True,
                         overwrite=overwrite, save_final=final_checkpoint)
-    except (TrainError, ConfigError, DataError, ckpt.CheckpointError) as e:
+    except (TrainError, ConfigError, DataError, ckpt.CheckpointError, ValueError) as e:
         report_bad_input(e)
     except NonFiniteError as e:                                          # diverged: exit 1, not bad input
         click.echo(f"dsv4: {e}", err=True)
