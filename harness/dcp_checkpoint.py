@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dsv4.harness.checkpoint import CheckpointError, _fsync_dir, _write_json
+from dsv4.harness.checkpoint import CheckpointError, _fsync_dir, _write_json, publish
 
 
 def _dist() -> bool:
@@ -106,20 +106,7 @@ def save(ckpt_dir: str, step: int, parts: list, opt, meta: dict) -> str:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(tmp)
-        if os.path.exists(final):                                           # re-saving the same step
-            trash = os.path.join(ckpt_dir, f".tmp-old-{name}")
-            os.replace(final, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(ckpt_dir)
-        latest_tmp = os.path.join(ckpt_dir, "latest.tmp")
-        with open(latest_tmp, "w") as f:
-            f.write(name)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(latest_tmp, os.path.join(ckpt_dir, "latest"))
-        _fsync_dir(ckpt_dir)
+        publish(ckpt_dir, tmp, name)
     _barrier()
     return final
 

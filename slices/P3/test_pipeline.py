@@ -24,14 +24,6 @@ GRAD_TOL = 1e-6                    # max |grad_pipe - grad_whole| per tensor, fp
 LOSS_TOL = 1e-6                    # per metric (averages of fp32 scalars, summed in fp64)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _cfg(pattern=PAT_PP2):
     return parse_pattern(pattern, base="debug").cfg
 

@@ -28,14 +28,6 @@ from dsv4.slices.X3 import _workers as W
 LOSS_TOL = 3e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _load_single(ckpt_dir, step=1):
     par = single(W.build(seed=3))                     # other weights: everything must come from the checkpoint
     opt = build_optimizer(W._ParamsView(par), lr=1e-2)

@@ -43,14 +43,6 @@ CASES = {                                                                  # id:
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 _ORACLES: dict = {}
 
 
