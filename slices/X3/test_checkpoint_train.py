@@ -6,8 +6,9 @@
 * P1's mixed-dtype state (bf16 parameters beside FP32-kept ones, their moments) round-trips bit-exactly.
 * `torchrun --nproc_per_node 2 dsv4 train --recipe debug --dp 2` (and --pp 2 --schedule 1f1b; and --dp 2
   --optimizer adamw) follows the one-process `dsv4 train` curve; a run saved at dp=2 / pp=2 resumes at dp=1 continuing the same curve.
-  LOSS_TOL 3e-5: slices/X3/test_parallelize.py's bound (measured 2.8e-6 worst there, x10); measured here:
-  equal to 5 decimals (the printed golden_values precision) and within 1e-6 in metrics.jsonl.
+  LOSS_TOL 1.5e-4: the multi-process curve vs the one-process curve over 4 Muon steps, same host: within 1e-6
+  natively, 3.2e-5 under ATEN_CPU_CAPABILITY=default (a simulated host, harness/numerics.py: Newton-Schulz
+  amplifies the reduce-order differences step by step); x5 that.
 * Bad meshes are refused in one line, exit 2 (world 1; and a torchrun child).
 NCCL / GPUs are not exercised: gloo CPU processes only.
 """
@@ -25,7 +26,7 @@ from dsv4.harness.optim import build_optimizer
 from dsv4.model.parallel import single
 from dsv4.slices.X3 import _workers as W
 
-LOSS_TOL = 3e-5
+LOSS_TOL = 1.5e-4
 
 
 def _load_single(ckpt_dir, step=1):
