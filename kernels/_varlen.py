@@ -14,6 +14,14 @@ import torch
 _BIG = 1 << 32
 
 
+def clamp_rows(rows: torch.Tensor, lo: int = 0) -> torch.Tensor:
+    """max(rows, lo) for key / token rows derived from an arange, written as a `where`: Inductor's index
+    propagation turns a clamp of such rows into a sympy Max inside the load index, which torch 2.11's Triton
+    tiling cannot compare ("The argument '-127 + ((0))' is not comparable", goldens/h200/D9/compile_gpu_failure.log);
+    a `where` stays a value, loaded through an indirect index. Same values as rows.clamp(min=lo)."""
+    return torch.where(rows >= lo, rows, lo)
+
+
 def _sorted_key(key: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """key where valid, else the last valid key before it (-1 before any): non-decreasing, searchable."""
     return torch.cummax(torch.where(valid, key, torch.full_like(key, -1)), 0).values.contiguous()

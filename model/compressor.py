@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from dsv4.kernels.compressor import compress_pool
+from dsv4.kernels._varlen import clamp_rows
 
 from .norm import RMSNorm
 from .rope import RotaryTable
@@ -45,7 +46,7 @@ class Compressor(nn.Module):
         comp = self.norm(pooled)
         if comp.shape[0] == 0:
             return comp, eseg, ej
-        return self.rope(comp, rope_pos[(ends - (self.ratio - 1)).clamp(min=0)]), eseg, ej   # at its first token
+        return self.rope(comp, rope_pos[clamp_rows(ends - (self.ratio - 1))]), eseg, ej   # at its first token
 
     def extra_repr(self) -> str:
         return f"ratio={self.ratio}, overlap={self.overlap}, head_dim={self.head_dim}"

@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dsv4.kernels._varlen import clamp_rows
+
 from .layout import Layout, LayoutError, from_packed_seq_params, seg_pos_from_cu_seqlens
 
 
@@ -146,7 +148,7 @@ def left_halo(x_local: torch.Tensor, halo: int, group=None) -> torch.Tensor:
     owner = torch.div(g, C, rounding_mode="floor")
     row = owner * tl + (g - owner * C - (C - tl))                              # row in `tails`
     ok = g >= 0
-    out = tails[row.clamp(min=0)]
+    out = tails[clamp_rows(row)]
     return torch.where(ok.view(-1, *([1] * (x_local.dim() - 1))), out, torch.zeros_like(out))
 
 
@@ -197,8 +199,8 @@ class CPLayout(Layout):
     def context(self, x, halo):
         rows = torch.arange(self.start - halo, self.end, device=self._gseg.device)
         ok = rows >= 0
-        seg = torch.where(ok, self._gseg[rows.clamp(min=0)], torch.full_like(rows, -1))
-        pos = torch.where(ok, self._gpos[rows.clamp(min=0)], torch.zeros_like(rows))
+        seg = torch.where(ok, self._gseg[clamp_rows(rows)], torch.full_like(rows, -1))
+        pos = torch.where(ok, self._gpos[clamp_rows(rows)], torch.zeros_like(rows))
         return torch.cat([left_halo(x, halo, self.group), x], dim=0), seg, pos, pos, halo
 
     def gather_entries(self, comp, entry_seg, entry_j):
@@ -235,7 +237,7 @@ class _SimRankLayout(Layout):
     def context(self, x, halo):
         rows = torch.arange(self.start - halo, self.end, device=x.device)
         ok = rows >= 0
-        rc = rows.clamp(min=0)
+        rc = clamp_rows(rows)
         xs = torch.where(ok[:, None], self._h[0, rc], torch.zeros((), dtype=x.dtype, device=x.device))
         xs = torch.cat([xs[:halo], x], dim=0)                                   # halo from the stream, then x
         seg = torch.where(ok, self._gseg[rc], torch.full_like(rows, -1))
@@ -275,8 +277,8 @@ def rank_layout(cu_seqlens, total: int, cp: int, rank: int, halo: int = 0, cu_se
     start, end = contiguous_chunk(total, cp, rank)
     gidx = torch.arange(start - halo, end)
     ok = gidx >= 0
-    seg_e = torch.where(ok, seg[gidx.clamp(min=0)], torch.full_like(gidx, -1))
-    pos_e = torch.where(ok, pos[gidx.clamp(min=0)], torch.zeros_like(gidx))
+    seg_e = torch.where(ok, seg[clamp_rows(gidx)], torch.full_like(gidx, -1))
+    pos_e = torch.where(ok, pos[clamp_rows(gidx)], torch.zeros_like(gidx))
     return seg_e, pos_e
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.kernels._varlen import clamp_rows
+
 
 class LayoutError(ValueError):
     """Bad packed-stream input of a kernel op (one line, naming the field)."""
@@ -75,13 +77,13 @@ def pool_rows(seg, pos, ends, valid, j, ratio: int, overlap: bool):
     cur = ends[:, None] - (m - 1) + torch.arange(m, device=ends.device)           # [N, m]
     need = torch.where(j > 0, 2 * m, m) if overlap else torch.full_like(j, m)
     first_row = ends - need + 1
-    bad = valid & ((first_row < 0) | (seg[first_row.clamp(min=0)] != seg[ends]))
+    bad = valid & ((first_row < 0) | (seg[clamp_rows(first_row)] != seg[ends]))
     # a data-dependent check (a host sync): made on CPU tensors (the tests, CI) only, never on an accelerator or
     # under torch.compile; the halo length itself is static (model/attention.attention_halo)
     if seg.device.type == "cpu" and not torch.compiler.is_compiling() and bool(bad.any()):
         raise LayoutError(f"kv: a compression window starts before the stream (halo shorter than "
                           f"{(2 if overlap else 1) * m - 1})")
-    return cur.clamp(min=0), (cur - m).clamp(min=0), j > 0
+    return clamp_rows(cur), clamp_rows(cur - m), j > 0
 
 
 def compress_pool(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.kernels.indexer.naive import causal_entry_mask
+from dsv4.kernels._varlen import clamp_rows
 
 
 def check_args(q, kv, comp, comp_idx, sink, window, ratio, seg, pos, entry_seg, entry_j, q_offset) -> None:
@@ -52,7 +53,7 @@ def window_keys(seg, pos, Tq: int, window: int, q_offset: int):
     u = torch.arange(Tq, device=seg.device) + q_offset                           # key row of each query
     rows = u[:, None] + torch.arange(-(window - 1), 1, device=seg.device)
     inb = rows >= 0
-    rc = rows.clamp(min=0)
+    rc = clamp_rows(rows)
     sq, pq = seg[u][:, None], pos[u][:, None]
     valid = inb & (seg[rc] == sq) & (sq >= 0) & (pos[rc] <= pq) & (pos[rc] > pq - window)
     return rc, valid

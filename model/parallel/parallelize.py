@@ -245,8 +245,9 @@ class Parallelized:
 
     def _pipeline_metrics(self) -> dict[str, float]:
         pl, M = self.plan, self.plan.microbatches
-        sums = torch.zeros(len(_METRICS), dtype=torch.float64)
-        seen = torch.zeros(len(_METRICS), dtype=torch.float64)
+        dev = _comm_device(self.group("pp"))
+        sums = torch.zeros(len(_METRICS), dtype=torch.float64, device=dev)
+        seen = torch.zeros(len(_METRICS), dtype=torch.float64, device=dev)
         for c in self.parts:
             for m in c.metrics:
                 for j, k in enumerate(_METRICS):
@@ -294,9 +295,10 @@ class Parallelized:
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global gradient 2-norm over every rank's parameters (shards summed over dp, stages over pp; the
         embedding copies of the last stage not counted twice), clipped to max_norm; returns the norm."""
-        sq = torch.zeros((), dtype=torch.float64)                                 # FSDP shards (dp)
-        rep_sq = torch.zeros((), dtype=torch.float64)                             # replicated over dp
-        ep_sq = torch.zeros((), dtype=torch.float64)                              # expert shards (ep)
+        dev = next(iter(self.parameters())).device                                # NCCL reduces on the GPU
+        sq = torch.zeros((), dtype=torch.float64, device=dev)                     # FSDP shards (dp)
+        rep_sq = torch.zeros((), dtype=torch.float64, device=dev)                 # replicated over dp
+        ep_sq = torch.zeros((), dtype=torch.float64, device=dev)                  # expert shards (ep)
         rep = {id(p) for p in self.replicated}
         for part in self.parts:
             for n, p in part.named_parameters():
@@ -372,9 +374,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def _comm_device(group) -> torch.device:
+    """Where a host-side metric tensor must live for `group`'s collectives: the current GPU under NCCL."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _reduce_dict(m: dict, group, op) -> dict:
     keys = sorted(m)
-    t = torch.tensor([m[k] for k in keys], dtype=torch.float64)
+    t = torch.tensor([m[k] for k in keys], dtype=torch.float64, device=_comm_device(group))
     dist.all_reduce(t, op=op, group=group)
     return dict(zip(keys, t.tolist()))
 
