@@ -21,6 +21,7 @@ BACKENDS = ("naive", "triton")
 # (or a plain-PyTorch variant) under "triton" explicitly: mhc's sinkhorn and hc_head, the indexer's top-k.
 OPS: dict[str, dict[str, str]] = {
     "sparse_attn": {"naive": "sparse_attn.naive:sparse_attn", "triton": "sparse_attn.op:sparse_attn"},
+    "sparse_attn_entry_probs": {"naive": "sparse_attn.naive:entry_probs", "triton": "sparse_attn.op:entry_probs"},
     "compress_pool": {"naive": "compressor.naive:compress_pool", "triton": "compressor.op:compress_pool"},
     "indexer_scores": {"naive": "indexer.naive:indexer_scores", "triton": "indexer.op:indexer_scores"},
     "indexer_topk": {"naive": "indexer.naive:indexer_topk", "triton": "indexer.triton:indexer_topk"},

@@ -25,6 +25,9 @@ Indexer loss (§10.3, `cfg.indexer_loss_mode`), computed in training mode on a C
               (CSA without top-k = Megatron's `csa_dense_mode` warm-up phase), so the teacher is still the
               attention actually run; the top-k is still computed (recorded as the selection) but not used;
     "off":    no loss.
+In sparse mode with the "joint" teacher, the teacher is read off the attention itself: the sparse attention returns
+its log-sum-exp and `indexer.indexer_teacher_listed` re-scores only the k listed entries (kernel op
+`entry_probs`), instead of scoring window, entries and sink a second time in PyTorch.
 The loss, coeff * KL(teacher || softmax(I)) (`indexer.indexer_teacher` / `indexer_kl_loss`), and the selection
 go to the forward's `AuxLosses` (model/losses.py), not to the module. The indexer sees detached inputs: its
 loss trains only the indexer and the LM loss never reaches it.
@@ -40,7 +43,7 @@ from .compressor import Compressor
 from .config import ConfigError, DSv4Config
 from dsv4.kernels.indexer.naive import causal_entry_mask
 
-from .indexer import Indexer, candidates_from_idx, indexer_kl_loss, indexer_teacher
+from .indexer import Indexer, candidates_from_idx, indexer_kl_loss, indexer_teacher, indexer_teacher_listed
 from .layout import Layout
 from .losses import AuxLosses
 from .norm import RMSNorm, rms_norm
@@ -189,17 +192,25 @@ class DSv4Attention(nn.Module):
             scores, sel, iseg, ij = self.indexer(x.detach(), cq.detach(), ctx, layout, backend=backend)   # [T, N]
             selection = (sel, iseg, ij)
         use_sel = sel if (self.indexer is not None and mode != "dense") else None   # dense: all entries
+        want_loss = self.indexer is not None and self.training and mode != "off" and cfg.indexer_loss_coeff != 0
+        listed = want_loss and use_sel is not None and cfg.indexer_teacher == "joint"   # teacher from the lse
         o = sparse_attn(q, kv, comp, use_sel, self.attn_sink, self.window, self.ratio or 1, self.scale,
-                        seg, pos, eseg, ej, q0, backend=backend)                # [T, H, c]
+                        seg, pos, eseg, ej, q0, return_lse=listed, backend=backend)     # [T, H, c]
+        if listed:
+            o, lse = o                                                          # lse [T, H]
         loss = None
-        if self.indexer is not None and self.training and mode != "off" and cfg.indexer_loss_coeff != 0:
+        if want_loss:
             N = comp.shape[0]
             if use_sel is None:     # dense: all visible entries
                 cand = causal_entry_mask(seg[q0:], pos[q0:], eseg, ej, self.ratio)    # [T, N]
             else:
                 cand = candidates_from_idx(use_sel, N)                          # [T, N]
-            target = indexer_teacher(q, kv, comp, cand, self.attn_sink, self.window, self.scale,
-                                     cfg.indexer_teacher, seg, pos, q0, idx=use_sel)
+            if listed:              # sparse + joint: the attention's own probabilities of its listed entries
+                target = indexer_teacher_listed(q, comp, use_sel, lse, self.ratio, self.scale, seg, pos, eseg, ej,
+                                                q0, backend=backend)
+            else:
+                target = indexer_teacher(q, kv, comp, cand, self.attn_sink, self.window, self.scale,
+                                         cfg.indexer_teacher, seg, pos, q0, idx=use_sel)
             kl = cfg.indexer_loss_coeff * indexer_kl_loss(scores, target, cand)
             loss = (kl, cand.any(-1).sum().to(kl.dtype))                        # the mean and its query count
         return o, selection, loss

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dsv4.kernels.indexer import indexer_scores, indexer_topk
+from dsv4.kernels.sparse_attn import entry_probs
 from dsv4.kernels.sparse_attn.naive import window_keys
 
 from .compressor import Compressor
@@ -118,6 +119,22 @@ def indexer_teacher(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor, cand:
             P[a:e] = p.sum(dim=1)                                                    # [C, N]
         else:
             P[a:e].scatter_add_(-1, safe, p.sum(dim=1).masked_fill(~cc, 0.0))        # [C, k] -> [C, N]
+    total = P.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, P / total.clamp_min(torch.finfo(P.dtype).tiny), torch.zeros_like(P))
+
+
+@torch.no_grad()
+def indexer_teacher_listed(q: torch.Tensor, comp: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor, ratio: int,
+                           scale: float, seg: torch.Tensor, pos: torch.Tensor, entry_seg: torch.Tensor,
+                           entry_j: torch.Tensor, q_offset: int = 0, backend: str = "naive") -> torch.Tensor:
+    """The "joint" teacher over the listed entries (sparse mode) from the attention's own log-sum-exp:
+    P[t,n] = sum_h exp(l[t,h,n] - lse[t,h]) at the listed entries n = idx[t,:], L1-normalised (== `indexer_teacher`
+    with teacher="joint", idx, whose Z[t,h] is this lse). lse [Tq,H] from `sparse_attn(..., return_lse=True)`, so
+    window keys and sink are not scored again; kernel op `entry_probs` -> P [Tq,N] fp32."""
+    Tq, N = q.shape[0], comp.shape[0]
+    p = entry_probs(q, comp, idx, lse, ratio, scale, seg, pos, entry_seg, entry_j, q_offset, backend=backend)
+    P = torch.zeros(Tq, N, dtype=p.dtype, device=q.device)
+    P.scatter_add_(-1, torch.where(idx >= 0, idx, 0), p)                           # [Tq, k] -> [Tq, N]
     total = P.sum(dim=-1, keepdim=True)
     return torch.where(total > 0, P / total.clamp_min(torch.finfo(P.dtype).tiny), torch.zeros_like(P))
 

@@ -59,12 +59,22 @@ def window_keys(seg, pos, Tq: int, window: int, q_offset: int):
     return rc, valid
 
 
+def listed_entries(comp_idx, seg_q, pos_q, entry_seg, entry_j, ratio: int):
+    """(clamped idx [Tq,k], visible [Tq,k]) of the listed entries: listed (>= 0), same document as the query,
+    complete before it (j < (pos + 1) // ratio)."""
+    cidx = clamp_rows(comp_idx)
+    valid = (comp_idx >= 0) & (entry_seg[cidx] == seg_q[:, None]) & (seg_q[:, None] >= 0) \
+        & (entry_j[cidx] < torch.div(pos_q + 1, ratio, rounding_mode="floor")[:, None])
+    return cidx, valid
+
+
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor | None, comp_idx: torch.Tensor | None,
                 sink: torch.Tensor, window: int, ratio: int, scale: float, seg: torch.Tensor, pos: torch.Tensor,
                 entry_seg: torch.Tensor | None = None, entry_j: torch.Tensor | None = None,
-                q_offset: int = 0) -> torch.Tensor:
+                q_offset: int = 0, return_lse: bool = False):
     """q [Tq,H,c], kv [Tk,c], comp [N,c] | None, comp_idx [Tq,k] long | None, sink [H], seg/pos [Tk],
-    entry_seg/entry_j [N] -> o [Tq,H,c]."""
+    entry_seg/entry_j [N] -> o [Tq,H,c] (and, with return_lse, the softmax's log-sum-exp [Tq,H], natural log,
+    fp32 / fp64, no gradient)."""
     check_args(q, kv, comp, comp_idx, sink, window, ratio, seg, pos, entry_seg, entry_j, q_offset)
     Tq, H, c = q.shape
     dt = torch.promote_types(q.dtype, torch.float32)                            # fp32 (fp64 stays)
@@ -78,9 +88,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor | None, co
         sq = seg[q_offset:q_offset + Tq]
         pq = pos[q_offset:q_offset + Tq]
         if comp_idx is not None:                                                # CSA: listed entries
-            cidx = comp_idx.clamp(min=0)
-            cvalid = (comp_idx >= 0) & (entry_seg[cidx] == sq[:, None]) & (sq[:, None] >= 0) \
-                & (entry_j[cidx] < torch.div(pq + 1, ratio, rounding_mode="floor")[:, None])
+            cidx, cvalid = listed_entries(comp_idx, sq, pq, entry_seg, entry_j, ratio)
             cvals = comp[cidx].to(dt)                                           # [Tq, k, c]
             lc = torch.einsum("thc,tkc->thk", qf, cvals) * scale                # [Tq, H, k]
         else:                                                                   # HCA: all visible entries
@@ -96,4 +104,23 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor | None, co
         pc = torch.exp(lc - lse)
         o = o + (torch.einsum("thk,tkc->thc", pc, cvals) if cvals is not None
                  else torch.einsum("thn,nc->thc", pc, comp.to(dt)))
+    if return_lse:
+        return o.to(q.dtype), lse.squeeze(-1).detach()
     return o.to(q.dtype)
+
+
+@torch.no_grad()
+def entry_probs(q: torch.Tensor, comp: torch.Tensor, comp_idx: torch.Tensor, lse: torch.Tensor, ratio: int,
+                scale: float, seg: torch.Tensor, pos: torch.Tensor, entry_seg: torch.Tensor, entry_j: torch.Tensor,
+                q_offset: int = 0) -> torch.Tensor:
+    """The attention's probability mass on each listed entry, summed over heads (the "joint" indexer teacher's
+    numerator, spec §10.3): P[t,j] = sum_h exp(q[t,h] . comp[idx[t,j]] * scale - lse[t,h]) for visible listed
+    entries, 0 elsewhere. q [Tq,H,c], comp [N,c], comp_idx [Tq,k], lse [Tq,H] (natural log, the sparse
+    attention's own, `return_lse=True`) -> [Tq,k] fp32 (fp64 stays). No gradient."""
+    Tq = q.shape[0]
+    dt = torch.promote_types(q.dtype, torch.float32)
+    sq, pq = seg[q_offset:q_offset + Tq], pos[q_offset:q_offset + Tq]
+    cidx, cvalid = listed_entries(comp_idx, sq, pq, entry_seg, entry_j, ratio)
+    lc = torch.einsum("thc,tkc->thk", q.to(dt), comp[cidx].to(dt)) * scale       # [Tq, H, k]
+    p = torch.exp(lc - lse.to(dt)[:, :, None]).sum(1)                            # [Tq, k]
+    return torch.where(cvalid, p, torch.zeros_like(p))

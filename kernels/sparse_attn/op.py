@@ -83,10 +83,31 @@ sparse_attn_fwd.register_autograd(_backward, setup_context=_setup)
 
 def sparse_attn(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optional[Tensor], sink: Tensor,
                 window: int, ratio: int, scale: float, seg: Tensor, pos: Tensor, entry_seg: Optional[Tensor] = None,
-                entry_j: Optional[Tensor] = None, q_offset: int = 0) -> Tensor:
-    """Triton sparse attention as a custom op; same contract as `naive.sparse_attn` / `triton.sparse_attn`."""
+                entry_j: Optional[Tensor] = None, q_offset: int = 0, return_lse: bool = False):
+    """Triton sparse attention as a custom op; same contract as `naive.sparse_attn` / `triton.sparse_attn`
+    (return_lse: also the log-sum-exp [Tq,H] in natural log, no gradient)."""
     naive.check_args(q, kv, comp, comp_idx, sink, window, ratio, seg, pos, entry_seg, entry_j, q_offset)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return torch.ops.dsv4.sparse_attn_fwd(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, int(window),
-                                          int(ratio or 0), float(scale), int(q_offset))[0]
+    o, lse2 = torch.ops.dsv4.sparse_attn_fwd(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, int(window),
+                                             int(ratio or 0), float(scale), int(q_offset))
+    return (o, lse2.detach() * math.log(2.0)) if return_lse else o
+
+
+@torch.library.custom_op("dsv4::sparse_attn_entry_probs", mutates_args=())
+def entry_probs_op(q: Tensor, comp: Tensor, comp_idx: Tensor, lse: Tensor, seg: Tensor, pos: Tensor,
+                   entry_seg: Tensor, entry_j: Tensor, ratio: int, scale: float, q_off: int) -> Tensor:
+    """-> P [Tq,k] fp32, the attention's mass on each listed entry summed over heads (`naive.entry_probs`)."""
+    return T.entry_probs(q, comp, comp_idx, lse, ratio, scale, seg, pos, entry_seg, entry_j, q_off)
+
+
+@entry_probs_op.register_fake
+def _(q, comp, comp_idx, lse, seg, pos, entry_seg, entry_j, ratio, scale, q_off):
+    return q.new_empty(comp_idx.shape, dtype=torch.float32)
+
+
+def entry_probs(q: Tensor, comp: Tensor, comp_idx: Tensor, lse: Tensor, ratio: int, scale: float, seg: Tensor,
+                pos: Tensor, entry_seg: Tensor, entry_j: Tensor, q_offset: int = 0) -> Tensor:
+    """Triton `naive.entry_probs` as a custom op (no gradient)."""
+    return torch.ops.dsv4.sparse_attn_entry_probs(q.detach(), comp.detach(), comp_idx, lse.detach(), seg, pos,
+                                                  entry_seg, entry_j, int(ratio), float(scale), int(q_offset))

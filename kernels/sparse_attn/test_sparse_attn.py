@@ -79,3 +79,42 @@ def test_no_key_but_sink_is_defined():
     assert torch.isfinite(o).all() and o[3:].abs().max() == 0
     # measured 2.4e-7 (11 hosts), 1/150 of the bound
     assert_close("o", o, sparse_attn(q, kv, comp, idx, sink, 1, 4, 0.25, **meta, backend="naive"), 2e-5, 1e-5)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("shape", ["tiny"] + (["real"] if CUDA else []))
+def test_entry_probs_triton_matches_naive(shape, layout):
+    """The attention's mass on its listed entries (the indexer's joint teacher, from the forward's lse): Triton
+    == naive, and the naive one == exp(l - lse) summed over heads, formed directly from the attention's logits."""
+    sh = TINY if shape == "tiny" else REAL
+    lens, pads, q_off = LAYOUTS[layout]
+    ratio, k = (3, 4) if shape == "tiny" else (4, 512)
+    if shape == "real":
+        lens = [L * 97 for L in lens]
+    (q, kv, comp, idx, sink), meta = _case("csa", lens, pads, q_off, **sh, ratio=ratio, k=k)
+    scale = sh["c"] ** -0.5
+    from dsv4.kernels.sparse_attn import entry_probs
+    o, lse = sparse_attn(q, kv, comp, idx, sink, sh["window"], ratio, scale, **meta, return_lse=True, backend="naive")
+    o_t, lse_t = sparse_attn(q, kv, comp, idx, sink, sh["window"], ratio, scale, **meta, return_lse=True,
+                             backend="triton")
+    em = dict(seg=meta["seg"], pos=meta["pos"], entry_seg=meta["entry_seg"], entry_j=meta["entry_j"],
+              q_offset=q_off)
+    want = entry_probs(q, comp, idx, lse, ratio, scale, **em, backend="naive")
+    got = entry_probs(q, comp, idx, lse_t, ratio, scale, **em, backend="triton")
+    # an independent oracle: the probabilities of one softmax over (window logits, listed logits, sink)
+    if shape == "tiny":
+        Tq, H, _ = q.shape
+        from dsv4.kernels.sparse_attn.naive import listed_entries, window_keys
+        sq, pq = meta["seg"][q_off:], meta["pos"][q_off:]
+        cidx, cval = listed_entries(idx, sq, pq, meta["entry_seg"], meta["entry_j"], ratio)
+        wr, wv = window_keys(meta["seg"], meta["pos"], Tq, sh["window"], q_off)
+        lw = torch.einsum("thc,twc->thw", q, kv[wr]).mul(scale).masked_fill(~wv[:, None], float("-inf"))
+        lc = torch.einsum("thc,tkc->thk", q, comp[cidx]).mul(scale).masked_fill(~cval[:, None], float("-inf"))
+        p = torch.softmax(torch.cat([lw, lc, sink.view(1, H, 1).expand(Tq, H, 1)], -1), -1)
+        oracle = p[:, :, lw.shape[-1]:-1].sum(1)
+        assert_close("entry_probs naive vs softmax", want, oracle, 1e-5, 1e-6)    # fp32 rounding; values <= H
+        assert (want[idx < 0] == 0).all() and (got[idx < 0] == 0).all()
+        assert_close("lse", lse_t, lse, 2e-5, 1e-5)           # same bounds as o (summation order only)
+        assert_close("entry_probs", got, want, 2e-5, 1e-5)
+    else:                                          # bf16 QK products on the GPU
+        assert_rel("entry_probs", got, want, 2e-2)

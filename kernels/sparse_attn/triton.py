@@ -207,6 +207,59 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, P
     tl.store(DQ + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=hd)
 
 
+# -------------------------------------------------------------------------------- listed-entry probabilities
+_PROB_CONFIGS = configs(
+    gpu=[dict(BH=64, BN=64, num_warps=8, num_stages=2), dict(BH=64, BN=32, num_warps=4, num_stages=2),
+         dict(BH=32, BN=64, num_warps=4, num_stages=2)],
+    cpu=dict(BH=16, BN=16, num_warps=4, num_stages=1))
+
+
+@triton.autotune(**_PROB_CONFIGS, key=["H", "BD"])
+@triton.jit
+def _entry_probs(Q, COMP, IDX, LSE, P, SEG, POS, ESEG, EJ, sq_s, sq_h, sc_s, si_s, sl_s, sp_s,
+                 H, NSEL, ratio, qk_scale, q_off,
+                 C: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
+    """One program per query t: P[t, j] = sum_h exp2(q[t,h] . comp[idx[t,j]] * qk_scale - lse2[t,h]) over the
+    listed visible entries (the forward's QK products again, no PV), 0 elsewhere."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BD)
+    dmask = offs_d < C
+    u = t + q_off
+    seg_u = tl.load(SEG + u)
+    pos_u = tl.load(POS + u)
+    for start in range(0, NSEL, BN):
+        offs_n = start + tl.arange(0, BN)
+        idx = tl.load(IDX + t * si_s + offs_n, mask=offs_n < NSEL, other=-1)
+        valid = _entry_valid(ESEG, EJ, idx, idx >= 0, seg_u, pos_u, ratio)
+        k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        psum = tl.zeros([BN], tl.float32)
+        for h0 in range(0, H, BH):
+            offs_h = h0 + tl.arange(0, BH)
+            hmask = offs_h < H
+            q = tl.load(Q + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :],
+                        mask=hmask[:, None] & dmask[None, :], other=0.0)
+            lse = tl.load(LSE + t * sl_s + offs_h, mask=hmask, other=float("inf"))
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale                 # [BH, BN], log2 units
+            psum += tl.sum(tl.exp2(s - lse[:, None]), 0)
+        tl.store(P + t * sp_s + offs_n, tl.where(valid, psum, 0.0), mask=offs_n < NSEL)
+
+
+def entry_probs(q, comp, comp_idx, lse, ratio, scale, seg, pos, entry_seg, entry_j, q_offset=0):
+    """Triton `naive.entry_probs`: q [Tq,H,c], comp [N,c], comp_idx [Tq,k], lse [Tq,H] (natural log) -> [Tq,k]
+    fp32."""
+    q, comp, idx = q.contiguous(), comp.contiguous(), comp_idx.contiguous()
+    Tq, H, C = q.shape
+    lse2 = (lse.float() * LOG2E).contiguous()                                        # log2 units
+    p = torch.empty(idx.shape, device=q.device, dtype=torch.float32)
+    if Tq == 0 or idx.shape[-1] == 0:
+        return p.zero_()
+    _entry_probs[(Tq,)](q, comp, idx, lse2, p, seg.contiguous(), pos.contiguous(), entry_seg.contiguous(),
+                        entry_j.contiguous(), q.stride(0), q.stride(1), comp.stride(0), idx.stride(0),
+                        lse2.stride(0), p.stride(0), H, idx.shape[-1], max(int(ratio), 1), float(scale) * LOG2E,
+                        int(q_offset), C=C, PREC=_prec(q), BD=pow2(C))
+    return p
+
+
 # ------------------------------------------------------------------------------------------------ driver
 def _prec(x):
     """fp32 inputs: exact fp32 products ("ieee", tests); bf16/fp16: tensor cores (the flag is ignored)."""

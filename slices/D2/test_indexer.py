@@ -282,3 +282,28 @@ def test_gradcheck_indexer_kl_loss():
                 kls.append((torch.xlogy(p, p) - p * lq).sum())
     # fp64: measured 5.6e-17 on all 11 hosts, x36 (was 1e-12)
     assert abs(indexer_kl_loss(scores, target, cand).item() - torch.stack(kls).mean().item()) <= 2e-15
+
+
+def test_listed_teacher_from_the_attention_lse_equals_the_joint_teacher():
+    """Sparse mode + joint teacher is read off the attention (its lse, the listed entries re-scored); it equals
+    `indexer_teacher`, which scores window keys, listed entries and sink again (fp64, packed documents)."""
+    from dsv4.kernels.compressor.naive import entry_slots
+    from dsv4.kernels.sparse_attn import sparse_attn
+    from dsv4.model.indexer import candidates_from_idx, indexer_teacher, indexer_teacher_listed
+    from dsv4.model.layout import seg_pos_from_cu_seqlens
+    g = torch.Generator().manual_seed(7)
+    seg, pos = seg_pos_from_cu_seqlens(torch.tensor([0, 13, 20, 41]), 41)
+    ends, valid, ej = entry_slots(seg, pos, 4, 0)
+    eseg = torch.where(valid, seg[ends], torch.full_like(ends, -1))
+    T, H, c, N, window = 41, 3, 16, ends.numel(), 5
+    q, kv, comp = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((T, H, c), (T, c), (N, c)))
+    sink = torch.randn(H, generator=g, dtype=torch.float64)
+    vis = (eseg[None] == seg[:, None]) & (ej[None] < torch.div(pos + 1, 4, rounding_mode="floor")[:, None])
+    idx = torch.where(vis, torch.rand(T, N, generator=g, dtype=torch.float64), -1.0).topk(3, -1)
+    idx = torch.where(idx.values >= 0, idx.indices, -1)                     # visible picks only, -1 = none
+    _, lse = sparse_attn(q, kv, comp, idx, sink, window, 4, c ** -0.5, seg, pos, eseg, ej, return_lse=True)
+    got = indexer_teacher_listed(q, comp, idx, lse, 4, c ** -0.5, seg, pos, eseg, ej)
+    want = indexer_teacher(q, kv, comp, candidates_from_idx(idx, N), sink, window, c ** -0.5, "joint", seg, pos,
+                           idx=idx)
+    assert (idx >= 0).sum() > T and (want > 0).any()                        # a real selection
+    assert (got - want).abs().max().item() <= 1e-12                         # fp64: two summation orders
