@@ -6,7 +6,7 @@ row-major into one token stream, as documents:
   cu_seqlens_padded [n_docs+1]  cumulative PADDED lengths = the offsets of the documents in the stream
                                 (document i occupies tokens cu_padded[i] .. cu_padded[i] + len_i - 1; the rest
                                 of its padded slot is padding). Without it, the documents are back to back.
-                                [n_docs+2]: a trailing dummy sequence of padding (harness/packing.py's
+                                [n_docs+2]: a trailing dummy sequence of padding (harness/train/packing.py's
                                 `append_dummy_seq` tail policy, Megatron's thd_tail_padding_policy).
 A plain [B, S] batch is B documents of S tokens (`Layout.batch`), built at the API edge (DSv4Model.forward).
 From the offsets follow, once per forward, two per-token integer vectors, the only metadata the kernels take

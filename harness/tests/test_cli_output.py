@@ -97,7 +97,7 @@ def test_verify_verdicts_on_stdout():
 
 
 def test_json_error_from_a_command_itself_and_no_leak_between_invocations():
-    from dsv4.harness.flops import flops_cmd
+    from dsv4.harness.train.flops import flops_cmd
     r = _run("flops", "--config", "nope", "--json")
     assert r.exit_code == 2 and json.loads(r.stdout)["error"].startswith("config: unknown name 'nope'")
     r = CliRunner().invoke(flops_cmd, ["--config", "nope"])          # no --json: nothing on stdout
