@@ -19,8 +19,8 @@ from dsv4.harness import errors
 from dsv4.harness.errors import BadInput, InputError
 
 LAZY = {   # commands that live beside the code they drive
-    "train": ("dsv4.harness.train", "train_cmd"),
-    "flops": ("dsv4.harness.flops", "flops_cmd"),
+    "train": ("dsv4.harness.train.loop", "train_cmd"),
+    "flops": ("dsv4.harness.train.flops", "flops_cmd"),
     "convert": ("dsv4.harness.convert_cli", "convert_cmd"),
     "generate": ("dsv4.harness.generate_cli", "generate_cmd"),
 }
@@ -383,7 +383,7 @@ class BenchGroup(click.Group):
 
     def get_command(self, ctx, name):
         if name == "train":
-            from dsv4.harness.bench_train import bench_train_cmd
+            from dsv4.harness.train.bench import bench_train_cmd
             return bench_train_cmd
         if name == "kernels":
             try:

@@ -18,7 +18,7 @@ from dsv4.harness.errors import report_bad_input
 
 def load_train(src: str):
     """The model of a `dsv4 train` checkpoint (the newest complete step under `src`), weights and buffers."""
-    from dsv4.harness.checkpoint import latest_checkpoint, read_meta
+    from dsv4.harness.train.checkpoint import latest_checkpoint, read_meta
     from dsv4.model.config import DSv4Config
     from dsv4.model.interop.common import CheckpointError, check_field_types, load_checked, read_safetensors
     from dsv4.model.model import DSv4Model
@@ -34,7 +34,7 @@ def load_train(src: str):
 
 
 def _is_train_checkpoint(src: str) -> bool:
-    from dsv4.harness.checkpoint import CheckpointError, latest_checkpoint
+    from dsv4.harness.train.checkpoint import CheckpointError, latest_checkpoint
     try:
         latest_checkpoint(src)
         return True

@@ -41,9 +41,9 @@ def generate_cmd(init, config, seed, prompts, ids, max_new_tokens, temperature, 
     """Generate continuations of prompts with the DSv4 KV cache (greedy or temperature / top-p sampling)."""
     import torch
 
-    from dsv4.harness.data import DataError
-    from dsv4.harness.loading import InitError, load_model
-    from dsv4.harness.tokenizer import load_tokenizer
+    from dsv4.harness.train.data import DataError
+    from dsv4.harness.train.loading import InitError, load_model
+    from dsv4.harness.train.tokenizer import load_tokenizer
     from dsv4.model.config import ConfigError, get_config
     from dsv4.model.interop import CheckpointError
     from dsv4.model.generate import CacheError, cache_elements_per_token, generate, tqdm_progress

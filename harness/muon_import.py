@@ -7,7 +7,7 @@ Python >= 3.12 or, on 3.11, `pip install --no-deps --ignore-requires-python` + `
 `typing.override` shim) on the seeded inputs that CASES below define, and writes
 goldens/emerging-optimizers/D9/<case>.json (our golden format) with provenance: package, version, the function
 called, its arguments, NVIDIA's Python / torch, the inputs' sha256. `slices/D9/test_muon_nvidia.py` compares ours
-(harness/optim.py) with them; no NVIDIA venv is needed there. The package's code is never copied here.
+(harness/train/optim.py) with them; no NVIDIA venv is needed there. The package's code is never copied here.
 
 NVIDIA is called with the DSv4 recipe: `newton_schulz(x, steps=10, coefficient_type="deepseekv4")` and
 `Muon(..., momentum=0.95, weight_decay=0.1, nesterov=True, coefficient_type="deepseekv4", num_ns_steps=10,
@@ -121,7 +121,7 @@ def ours(c: Case, ns_dtype=None) -> dict:
     import torch
 
     from . import numerics
-    from .optim import NS_STEPS, UPDATE_RMS, Muon, hybrid_newton_schulz
+    from .train.optim import NS_STEPS, UPDATE_RMS, Muon, hybrid_newton_schulz
     numerics.apply()
     ins = inputs(c)
     kw = {} if ns_dtype is None else {"dtype": ns_dtype}

@@ -177,6 +177,19 @@ class DSv4Attention(nn.Module):
         z = torch.einsum("tgi,gri->tgr", o, wo_a)                               # [T, g, d_g]
         return self.wo_b(z.flatten(1)).view(B, S, -1)                           # [T, d] -> [B, S, d]
 
+    def forward_megatron(self, hidden_states: torch.Tensor, packed_seq_params=None, aux: AuxLosses | None = None,
+                         backend: str | None = None) -> torch.Tensor:
+        """Megatron's layout: hidden_states [s, b, d] (+ a `PackedSeqParams`, duck-typed: qkv_format 'thd' with
+        hidden_states [t, 1, d], or 'sbhd') -> [s, b, d]. Converts at the edge: the same forward on the [b, s, d]
+        view and the one Layout (Layout.from_packed_seq_params); Megatron's (output, bias) pair is not mimicked."""
+        if hidden_states.dim() != 3:
+            raise ValueError(f"DSv4Attention.forward_megatron: hidden_states must be [s, b, d], got "
+                             f"{tuple(hidden_states.shape)}")
+        s, b, _ = hidden_states.shape
+        layout = Layout.from_packed_seq_params(packed_seq_params, (b, s), hidden_states.device)
+        out = self(hidden_states.transpose(0, 1), layout, aux, backend=backend)   # [b, s, d]
+        return out.transpose(0, 1)                                              # [s, b, d]
+
     def _mix(self, x, cq, q, kv, ctx, layout, backend):
         """Token mixing of one stream: x [T',d] / kv [T',c] (halo + local rows), cq [T,d_c] / q [T,H,c] (local),
         ctx = (seg, pos, rope_pos [T'], q_offset) -> (o [T,H,c], selection (idx, entry_seg, entry_j) | None,

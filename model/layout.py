@@ -6,7 +6,7 @@ row-major into one token stream, as documents:
   cu_seqlens_padded [n_docs+1]  cumulative PADDED lengths = the offsets of the documents in the stream
                                 (document i occupies tokens cu_padded[i] .. cu_padded[i] + len_i - 1; the rest
                                 of its padded slot is padding). Without it, the documents are back to back.
-                                [n_docs+2]: a trailing dummy sequence of padding (harness/packing.py's
+                                [n_docs+2]: a trailing dummy sequence of padding (harness/train/packing.py's
                                 `append_dummy_seq` tail policy, Megatron's thd_tail_padding_policy).
 A plain [B, S] batch is B documents of S tokens (`Layout.batch`), built at the API edge (DSv4Model.forward).
 From the offsets follow, once per forward, two per-token integer vectors, the only metadata the kernels take
@@ -77,18 +77,38 @@ def seg_pos_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None,
     return seg, pos
 
 
-def from_packed_seq_params(psp) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(cu_seqlens, cu_seqlens_padded) of a Megatron-Core `PackedSeqParams` (duck-typed: qkv_format 'thd',
-    cu_seqlens_q / cu_seqlens_q_padded; DSv4 attention is self-attention, so q and kv metadata must agree)."""
-    if getattr(psp, "qkv_format", "thd") != "thd":
-        raise LayoutError(f"packed_seq_params.qkv_format: must be 'thd', got {psp.qkv_format!r}")
-    cu, cup = psp.cu_seqlens_q, getattr(psp, "cu_seqlens_q_padded", None)
+QKV_FORMATS = ("thd", "sbhd")      # Megatron-Core PackedSeqParams.qkv_format values DSv4 reads
+
+
+def qkv_format_of(psp) -> str:
+    """A PackedSeqParams' qkv_format (duck-typed; an object without the field is 'thd'), checked."""
+    fmt = getattr(psp, "qkv_format", "thd")
+    if fmt not in QKV_FORMATS:
+        raise LayoutError(f"packed_seq_params.qkv_format: must be 'thd' or 'sbhd', got {fmt!r}")
+    return fmt
+
+
+def _cu_of(psp) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(cu_seqlens_q, cu_seqlens_q_padded) on the host; DSv4 attention is self-attention, so the kv metadata
+    must agree with q's where it is given. max_seqlen_q / kv are not read: every mask follows from the documents."""
+    cu, cup = getattr(psp, "cu_seqlens_q", None), getattr(psp, "cu_seqlens_q_padded", None)
     kv, kvp = getattr(psp, "cu_seqlens_kv", None), getattr(psp, "cu_seqlens_kv_padded", None)
-    if kv is not None and not torch.equal(torch.as_tensor(kv).cpu(), torch.as_tensor(cu).cpu()):
+    if kv is not None and (cu is None or not torch.equal(torch.as_tensor(kv).cpu(), torch.as_tensor(cu).cpu())):
         raise LayoutError("packed_seq_params.cu_seqlens_kv: differs from cu_seqlens_q (self-attention only)")
     if kvp is not None and cup is not None and not torch.equal(torch.as_tensor(kvp).cpu(), torch.as_tensor(cup).cpu()):
         raise LayoutError("packed_seq_params.cu_seqlens_kv_padded: differs from cu_seqlens_q_padded")
-    return torch.as_tensor(cu).cpu(), (None if cup is None else torch.as_tensor(cup).cpu())
+    return (None if cu is None else torch.as_tensor(cu).cpu()), (None if cup is None else torch.as_tensor(cup).cpu())
+
+
+def from_packed_seq_params(psp) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(cu_seqlens, cu_seqlens_padded) of a Megatron-Core `PackedSeqParams` of a packed stream (duck-typed:
+    qkv_format 'thd', cu_seqlens_q / cu_seqlens_q_padded)."""
+    if qkv_format_of(psp) != "thd":
+        raise LayoutError(f"packed_seq_params.qkv_format: must be 'thd' for a packed stream, got {psp.qkv_format!r}")
+    cu, cup = _cu_of(psp)
+    if cu is None:
+        raise LayoutError("packed_seq_params.cu_seqlens_q: missing ('thd' needs the documents' offsets)")
+    return cu, cup
 
 
 def roll_packed(x: torch.Tensor, seg: torch.Tensor, fill=0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,8 +182,35 @@ class Layout:
 
     @classmethod
     def from_packed_seq_params(cls, psp, shape: tuple[int, int], device=None) -> "Layout":
-        cu, cup = from_packed_seq_params(psp)
-        return cls.packed(cu, shape, cup, device)
+        """The layout of Megatron's tokens [s, b] (hidden states [s, b, h]) described by a `PackedSeqParams`
+        (duck-typed; megatron.core.packed_seq_params), as the [b, s] batch of `shape` = (b, s):
+          None                   b documents of s tokens (a plain batch);
+          qkv_format 'thd'       one packed row (b = 1): the documents of cu_seqlens_q (+ cu_seqlens_q_padded);
+          qkv_format 'sbhd'      row i is document i; with cu_seqlens_q [b+1], its first cu_q[i+1] - cu_q[i]
+                                 tokens are real and the rest of the row is padding (Transformer Engine's padding
+                                 mask for sbhd); without it, b documents of s tokens.
+        Used by the Megatron entry points (DSv4Attention.forward_megatron, DSv4Model.forward_megatron)."""
+        b, s = shape
+        if psp is None:
+            return cls.batch(b, s, device)
+        if qkv_format_of(psp) == "thd":
+            if b != 1:
+                raise LayoutError(f"packed_seq_params.qkv_format: 'thd' tokens are one packed row [t, 1], got b = {b}")
+            cu, cup = from_packed_seq_params(psp)
+            return cls.packed(cu, shape, cup, device)
+        cu, cup = _cu_of(psp)                                                   # sbhd
+        if cu is None:
+            return cls.batch(b, s, device)
+        rows = torch.arange(b + 1) * s                                          # [b+1] row offsets
+        if cu.dim() != 1 or cu.numel() != b + 1:
+            raise LayoutError(f"packed_seq_params.cu_seqlens_q: 'sbhd' needs one length per row, [b+1] = [{b + 1}], "
+                              f"got {tuple(cu.shape)}")
+        if bool(((cu[1:] - cu[:-1]) > s).any()):
+            raise LayoutError(f"packed_seq_params.cu_seqlens_q: a row's length exceeds s = {s}: {cu.tolist()}")
+        if cup is not None and not torch.equal(cup.long(), rows):
+            raise LayoutError(f"packed_seq_params.cu_seqlens_q_padded: 'sbhd' rows hold s = {s} tokens each, so it "
+                              f"must be {rows.tolist()} or absent, got {cup.tolist()}")
+        return cls.packed(cu, shape, rows, device)
 
     @property
     def num_tokens(self) -> int:

@@ -26,7 +26,7 @@ from torch import nn
 
 from dsv4.model.block import Block
 from dsv4.model.config import ConfigError, DSv4Config
-from dsv4.model.layout import Layout
+from dsv4.model.layout import Layout, LayoutError
 from dsv4.model.losses import AuxLosses, acc, assemble_losses
 from dsv4.model.mhc import expand_streams, hc_head, mhc_parameters
 import dsv4.kernels as kernels
@@ -117,6 +117,26 @@ class DSv4Model(nn.Module):
             main, extra, out.losses = assemble_losses(cfg, aux, lm, mtp, layout.global_count)
             out.loss = main if extra is None else main + extra
         return out
+
+    def forward_megatron(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                         attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                         packed_seq_params=None, return_logits: bool = True) -> DSv4Output:
+        """Megatron GPTModel's arguments: input_ids / position_ids / labels [b, s] ('thd': [1, t]) and a
+        `PackedSeqParams` (duck-typed; see Layout.from_packed_seq_params) -> DSv4Output (logits [b, s, V], as
+        GPTModel returns them). Converts at the edge: `forward` on the one Layout. DSv4's masks and RoPE positions
+        follow from the documents, so attention_mask must be None and position_ids, if given, must be the
+        positions inside each document on the real tokens (one line otherwise)."""
+        if attention_mask is not None:
+            raise LayoutError("attention_mask: must be None (DSv4's masks follow from packed_seq_params' documents)")
+        B, S = input_ids.shape
+        layout = Layout.from_packed_seq_params(packed_seq_params, (B, S), input_ids.device)
+        if position_ids is not None:
+            pid = torch.as_tensor(position_ids, device=input_ids.device).expand(B, S).reshape(-1)
+            real = layout.seg >= 0
+            if not torch.equal(pid[real].long(), layout.pos[real]):
+                raise LayoutError("position_ids: DSv4 positions restart at each document of packed_seq_params; "
+                                  "got other positions")
+        return self(input_ids, labels, return_logits=return_logits, layout=layout)
 
     def _ce(self, logits, y, labels):
         """(CE sum over the non-ignored targets, their count) of the head's logits (or of y through the head)."""

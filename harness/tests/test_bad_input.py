@@ -17,10 +17,10 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file as _load_file, save_file
 
-from dsv4.harness import checkpoint as ck
+from dsv4.harness.train import checkpoint as ck
 from dsv4.harness.cli import main
 from dsv4.harness.convert_cli import convert_cmd
-from dsv4.harness.train import train_cmd
+from dsv4.harness.train.loop import train_cmd
 
 
 def load_file(path):                       # a copy, not a memory map of the file the test then overwrites

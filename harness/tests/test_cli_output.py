@@ -9,7 +9,8 @@ from click.testing import CliRunner
 
 from dsv4.harness import graph as GR
 from dsv4.harness.cli import main
-from dsv4.harness.registry import Registry, Slice
+from dsv4.harness.registry import Registry
+from dsv4.harness.testing import fake_slice
 
 
 def _run(*args):
@@ -62,11 +63,8 @@ def test_graph_png_on_a_full_disk_keeps_the_old_file(tmp_path, monkeypatch):
 
 
 def _quoted_registry(tmp_path):
-    st = {"cpu": "implemented", "h200": "planned", "h100": "planned", "gb200": "planned"}
-    mk = lambda sid, title, deps: Slice(id=sid, title=title, kind="dsv4", delivers="x", provenance=[],  # noqa: E731
-                                        depends_on=deps, files=[], tests=[], golden_cases=[], status=st,
-                                        folder=tmp_path / sid)
-    return Registry([mk("A1", 'the "quoted" \\ title', []), mk("B2", "plain", ["A1"])])
+    return Registry([fake_slice("A1", tmp_path / "A1", title='the "quoted" \\ title'),
+                     fake_slice("B2", tmp_path / "B2", title="plain", depends_on=["A1"])])
 
 
 def test_graph_labels_and_quotes_in_titles(tmp_path):
@@ -97,7 +95,7 @@ def test_verify_verdicts_on_stdout():
 
 
 def test_json_error_from_a_command_itself_and_no_leak_between_invocations():
-    from dsv4.harness.flops import flops_cmd
+    from dsv4.harness.train.flops import flops_cmd
     r = _run("flops", "--config", "nope", "--json")
     assert r.exit_code == 2 and json.loads(r.stdout)["error"].startswith("config: unknown name 'nope'")
     r = CliRunner().invoke(flops_cmd, ["--config", "nope"])          # no --json: nothing on stdout

@@ -11,7 +11,8 @@ import torch
 
 from dsv4.harness import goldens as G
 from dsv4.harness import thresholds as T
-from dsv4.harness.registry import REPO, Registry, Slice
+from dsv4.harness.registry import REPO, Registry
+from dsv4.harness.testing import fake_slice
 
 
 CASES = textwrap.dedent('''
@@ -27,12 +28,7 @@ CASES = textwrap.dedent('''
 
 
 def _fake_slice(tmp_path, cases=CASES):
-    folder = tmp_path / "slices" / "Z1"
-    folder.mkdir(parents=True)
-    (folder / "cases.py").write_text(cases)
-    s = Slice(id="Z1", title="fake", kind="dsv4", delivers="x", provenance=[], depends_on=[], files=[], tests=[],
-              golden_cases=["lin"], status={"cpu": "implemented", "h200": "planned", "h100": "planned",
-                                            "gb200": "planned"}, folder=folder)
+    s = fake_slice("Z1", tmp_path / "slices" / "Z1", golden_cases=["lin"], cases=cases)
     return Registry([s]), s
 
 

@@ -13,7 +13,8 @@ import torch
 from dsv4.harness import goldens as G
 from dsv4.harness import numerics as N
 from dsv4.harness.cases import case_hash
-from dsv4.harness.registry import REPO, Registry, Slice
+from dsv4.harness.registry import REPO, Registry
+from dsv4.harness.testing import fake_slice
 from dsv4.harness.verify import load_cases
 
 
@@ -63,12 +64,7 @@ SAME_HOST = textwrap.dedent('''
 def test_same_host_golden_judged_only_on_its_host(tmp_path, monkeypatch):
     from dsv4.harness import verify as V
     monkeypatch.setattr(G, "GOLDENS", tmp_path / "goldens")
-    folder = tmp_path / "slices" / "Z2"
-    folder.mkdir(parents=True)
-    (folder / "cases.py").write_text(SAME_HOST)
-    s = Slice(id="Z2", title="fake", kind="dsv4", delivers="x", provenance=[], depends_on=[], files=[], tests=[],
-              golden_cases=["long"], status={"cpu": "implemented", "h200": "planned", "h100": "planned",
-                                             "gb200": "planned"}, folder=folder)
+    s = fake_slice("Z2", tmp_path / "slices" / "Z2", golden_cases=["long"], cases=SAME_HOST)
     reg = Registry([s])
     V.regen(reg, s, "cpu")
     path = G.case_path("cpu", "Z2", "long")

@@ -14,7 +14,7 @@ module's forward: the step installs engines around the single-device model.
       replicated FP32, their gradients averaged over dp in `finish_backward`), since FSDP2 needs one
       parameter dtype per group and those sit directly on each Block. dp only (pp = 1). The forward equals
       the P1 bf16 cast of the same weights (slices/X3). Muon all-gathers each sharded update, one dp rank
-      in turn runs Newton–Schulz on it and scatters O (harness/optim.py).
+      in turn runs Newton–Schulz on it and scatters O (harness/train/optim.py).
   pp  `torch.distributed.pipelining`: one `PipelineStage` per chunk (model/parallel/pipeline.py) and an
       explicit schedule: "gpipe" (ScheduleGPipe), "1f1b" (Schedule1F1B), "interleaved1f1b"
       (ScheduleInterleaved1F1B, vpp >= 2 chunks per rank).

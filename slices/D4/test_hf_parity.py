@@ -7,7 +7,7 @@ with HF's zero-initialised tensors (sinks, position_bias, mHC base, router bias)
 
 Indexer top-k ties: ReLU scoring gives exact 0.0 scores, and torch.topk orders ties by an unspecified,
 shape-dependent rule (spec §12) while our contract picks the LOWER entry index first. A hook on HF's indexer
-checks that HF's picks equal the lower-index-first picks modulo ties (same multiset of scores per query) and
+(harness/testing.tie_aware) checks that HF's picks equal the lower-index-first picks modulo ties (same multiset of scores per query) and
 then hands HF the lower-index-first indices, so the logits comparison is exact on the same selection.
 """
 import json
@@ -17,13 +17,13 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
+from transformers import DeepseekV4ForCausalLM  # noqa: E402
 
+from dsv4.harness.testing import tie_aware, tie_aware_all, tiny_hf_model  # noqa: E402
 from dsv4.model.interop import (CheckpointError, from_hf, load_official, save_official,  # noqa: E402
                                 to_hf)
 
 LOGIT_ATOL = 1e-5
-TYPES = {"W": "sliding_attention", "C": "compressed_sparse_attention", "H": "heavily_compressed_attention"}
 
 CASES = {
     # name: (layer types, n_hash, hca rate, yarn, index_topk, swiglu_limit)
@@ -35,70 +35,7 @@ CASES = {
 
 def _hf_model(name, seed=0, **rope_extra):
     types, n_hash, hca, yarn, topk, limit = CASES[name]
-    torch.manual_seed(seed)
-    E, K, V = 8, 2, 256
-    rope = ({"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64, "beta_fast": 32,
-             "beta_slow": 1, **rope_extra} if yarn else None)
-    cfg = DeepseekV4Config(
-        vocab_size=V, hidden_size=64, num_hidden_layers=len(types), num_attention_heads=4, num_key_value_heads=1,
-        head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, moe_intermediate_size=32,
-        n_routed_experts=E, n_shared_experts=1, num_experts_per_tok=K, index_n_heads=2, index_head_dim=16,
-        index_topk=topk, sliding_window=8, hc_mult=4, hc_sinkhorn_iters=20, swiglu_limit=limit,
-        layer_types=[TYPES[t] for t in types],
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": hca},
-        mlp_layer_types=["hash_moe"] * n_hash + ["moe"] * (len(types) - n_hash),
-        rope_parameters=rope, max_position_embeddings=1024, routed_scaling_factor=1.5)
-    hf = DeepseekV4ForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for n, p in hf.named_parameters():
-            if p.dim() >= 2 and "hc" not in n and "embed" not in n:   # O(1) sublayer outputs (HF: std 0.02)
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-        for n, p in hf.named_parameters():            # HF initialises these to 0 / 1: randomise
-            if any(s in n for s in ("sinks", "position_bias", ".base", "hc_base")):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-            if any(s in n for s in (".scale", "hc_scale")):
-                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-            if n.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-        for n, b in hf.named_buffers():
-            if "e_score_correction_bias" in n:
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-            if n.endswith("tid2eid"):
-                b.copy_(torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(V)]))
-    for layer in hf.model.layers:
-        comp = getattr(layer.self_attn, "compressor", None)
-        if comp is not None and hasattr(comp, "indexer"):
-            _tie_aware(comp.indexer)
-    return hf
-
-
-def _tie_aware(indexer):
-    """Replace HF's top-k picks by the lower-index-first ones after checking they agree modulo ties."""
-    seen = {}
-    orig = indexer.scorer.forward
-    indexer.scorer.forward = lambda *a: seen.__setitem__("s", orig(*a)) or seen["s"]
-
-    def hook(mod, args, out):
-        if out.numel() == 0:
-            return out
-        scores = seen["s"]                                                   # [B, S, T] before masking
-        B, S, T = scores.shape
-        pos = torch.arange(S)
-        thr = (pos + 1) // mod.compress_rate                                 # [S]
-        masked = scores.masked_fill(torch.arange(T)[None, None] >= thr[None, :, None], float("-inf"))
-        k = out.shape[-1]
-        ours = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :k]
-        ours = torch.where(ours >= thr[None, :, None], torch.full_like(ours, -1), ours)
-        def picked(idx):
-            vals = masked.gather(-1, idx.clamp(min=0))
-            return torch.where(idx < 0, torch.full_like(vals, float("-inf")), vals).sort(-1).values
-        assert torch.equal(picked(out), picked(ours)), "HF and lower-index-first top-k differ beyond ties"
-        seen["ties"] = seen.get("ties", 0) + int((torch.sort(out, -1).values != torch.sort(ours, -1).values).any(-1).sum())
-        return ours
-
-    indexer.register_forward_hook(hook)
-    indexer.tie_stats = seen
+    return tiny_hf_model(types, n_hash, hca, topk, seed=seed, yarn=yarn, swiglu_limit=limit, rope_extra=rope_extra)
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +213,7 @@ def test_yarn_attention_factor_matches_hf(tmp_path):
     assert _max_diff(other, ours, ids) > 1e-1                   # measured 2.25 (issue: 2.48 on its case): not a no-op
     to_hf(ours, str(tmp_path / "b"))
     back = DeepseekV4ForCausalLM.from_pretrained(str(tmp_path / "b")).eval()
-    _tie_aware(back.model.layers[1].self_attn.compressor.indexer)
+    tie_aware(back.model.layers[1].self_attn.compressor.indexer)
     assert back.model.rotary_emb.compress_attention_scaling == 1.3 and _max_diff(back, ours, ids) <= LOGIT_ATOL
 
 
@@ -319,10 +256,7 @@ def test_unclamped_model_is_not_exported_as_a_different_function(tmp_path):
     back = from_hf(str(tmp_path / "hf")).eval()
     assert back.cfg == clamped.cfg and _max_diff(back, clamped, ids) == 0.0
     hf = DeepseekV4ForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
-    for layer in hf.model.layers:
-        comp = getattr(layer.self_attn, "compressor", None)
-        if comp is not None and hasattr(comp, "indexer"):
-            _tie_aware(comp.indexer)
+    tie_aware_all(hf)
     assert _max_diff(hf, clamped, ids) <= LOGIT_ATOL
     cfgj = json.loads((tmp_path / "hf" / "config.json").read_text())        # an older export said false
     cfgj["dsv4_config"]["shared_expert_clamp"] = False

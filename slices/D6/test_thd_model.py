@@ -97,9 +97,9 @@ def test_packed_model_equals_separate(padded):
 
 @pytest.mark.parametrize("tail", ["extend_last", "append_dummy_seq"])
 def test_harness_packing_output_runs_packed(tail):
-    """The micro-batches of harness/packing.py (P7: aligned padding, both tail policies) fed as they are:
+    """The micro-batches of harness/train/packing.py (P7: aligned padding, both tail policies) fed as they are:
     logits / MTP logits of every packed sequence == that sequence alone; labels from `materialize`."""
-    from dsv4.harness.packing import materialize, schedule
+    from dsv4.harness.train.packing import materialize, schedule
     model = _model()
     g = torch.Generator().manual_seed(4)
     lengths = [6, 21, 3, 11]

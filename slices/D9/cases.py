@@ -9,7 +9,7 @@ from dsv4.harness.cases import golden_case
 
 
 def _curve(recipe: str, steps: int | None = None, dtype: str | None = None, megatron: bool = False) -> dict:
-    from dsv4.harness.train import RECIPES, train
+    from dsv4.harness.train.loop import RECIPES, train
     r = RECIPES[recipe]
     r = replace(r, steps=steps or r.steps, dtype=dtype or r.dtype)
     with tempfile.TemporaryDirectory() as d:
@@ -66,8 +66,8 @@ def tiny_loss_curve():
 @golden_case("flops_4096", tol={f"{n}_{k}": (0, 1e-12) for n in ("flash", "pro", "proxy")
                                 for k in ("train_flops_per_token", "attention_flops_per_token")})
 def flops_4096():
-    """Per-token training FLOPs and parameter counts of flash / pro / proxy at seq 4096 (harness/flops.py)."""
-    from dsv4.harness.flops import flops_per_token
+    """Per-token training FLOPs and parameter counts of flash / pro / proxy at seq 4096 (harness/train/flops.py)."""
+    from dsv4.harness.train.flops import flops_per_token
     from dsv4.model.config import get_config
     out = {}
     for n in ("flash", "pro", "proxy"):
@@ -85,7 +85,7 @@ def flops_4096():
                                       "smax8": (1e-13, 0)})
 def hybrid_ns_bounds():
     """Singular-value range of the hybrid Newton–Schulz output (fp64) of a seeded 96x160 Gaussian matrix."""
-    from dsv4.harness.optim import NS_STEPS, hybrid_newton_schulz
+    from dsv4.harness.train.optim import NS_STEPS, hybrid_newton_schulz
     G = torch.randn(96, 160, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     s = torch.linalg.svdvals(hybrid_newton_schulz(G, dtype=torch.float64))
     s8 = torch.linalg.svdvals(hybrid_newton_schulz(G, steps=NS_STEPS[:8], dtype=torch.float64))

@@ -120,8 +120,8 @@ def test_train_and_bench_have_compile_flags(tmp_path, monkeypatch):
     takes minutes on this CPU; the compiled math is checked above); `dsv4 bench train --compile` exists."""
     from click.testing import CliRunner
 
-    from dsv4.harness.bench_train import bench_train_cmd
-    from dsv4.harness.train import train_cmd
+    from dsv4.harness.train.bench import bench_train_cmd
+    from dsv4.harness.train.loop import train_cmd
     calls = []
     monkeypatch.setattr(DSv4Model, "compile_blocks", lambda self, **kw: calls.append(kw) or self)
     r = CliRunner().invoke(train_cmd, ["--recipe", "debug", "--steps", "1", "--compile", "--json",

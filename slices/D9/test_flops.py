@@ -6,7 +6,7 @@ import torch
 from click.testing import CliRunner
 from torch.utils.flop_counter import FlopCounterMode
 
-from dsv4.harness.flops import COMPONENTS, PARAM_COMPONENTS, _attn_core_macs, count_params, flops_cmd, flops_per_token
+from dsv4.harness.train.flops import COMPONENTS, PARAM_COMPONENTS, _attn_core_macs, count_params, flops_cmd, flops_per_token
 from dsv4.model.config import get_config
 from dsv4.model.hybrid import parse_pattern
 

@@ -1,4 +1,4 @@
-"""Our Muon (harness/optim.py) against NVIDIA emerging-optimizers 0.3.0, imported as goldens (issue 15 §4).
+"""Our Muon (harness/train/optim.py) against NVIDIA emerging-optimizers 0.3.0, imported as goldens (issue 15 §4).
 
 The goldens (goldens/emerging-optimizers/D9/) are NVIDIA's `newton_schulz(x, steps=10, coefficient_type=
 "deepseekv4")` and `Muon(..., nesterov=True, coefficient_type="deepseekv4", num_ns_steps=10, scale_mode="spectral",
@@ -24,7 +24,7 @@ import torch
 
 from dsv4.harness import goldens as G
 from dsv4.harness import muon_import as MU
-from dsv4.harness.optim import NS_STEPS, UPDATE_RMS
+from dsv4.harness.train.optim import NS_STEPS, UPDATE_RMS
 
 ATOL = {"schedule": 0.0, "ns": 6e-6, "muon": 8e-6}
 ATOL_CASE = {"ns_tiny_fp32": 2e-3}
@@ -80,7 +80,7 @@ def test_schedule_is_nvidias_deepseekv4():
 
 def test_tall_is_transposed_like_nvidia():
     """rows > cols: both transpose (NS on the smaller Gram matrix); ours of G^T is the transpose of ours of G."""
-    from dsv4.harness.optim import hybrid_newton_schulz
+    from dsv4.harness.train.optim import hybrid_newton_schulz
     G40 = MU.inputs(MU.get("ns_tall_fp32"))["G"]
     assert torch.equal(hybrid_newton_schulz(G40), hybrid_newton_schulz(G40.mT.contiguous()).mT)
 

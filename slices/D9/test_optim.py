@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from dsv4.harness.optim import (NS_STEPS, Muon, build_optimizer, hybrid_newton_schulz, lr_at, param_group_of)
+from dsv4.harness.train.optim import (NS_STEPS, Muon, build_optimizer, hybrid_newton_schulz, lr_at, param_group_of)
 
 SHAPES = [(64, 64), (32, 128), (128, 32), (7, 13), (100, 100), (3, 5, 17)]   # incl. odd and batched [E, n, m]
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dsv4.harness import checkpoint as ck
-from dsv4.harness.train import golden_values, train_cmd
+from dsv4.harness.train import checkpoint as ck
+from dsv4.harness.train.loop import golden_values, train_cmd
 
 EXACT = ("lm loss", "mtp_1 loss", "indexer loss", "moe aux loss", "total loss", "grad-norm", "num-zeros", "lr")
 
@@ -90,7 +90,7 @@ def test_resume_is_exact(tmp_path):
 
 CHILD = r"""
 import sys, torch
-from dsv4.harness import checkpoint as ck
+from dsv4.harness.train import checkpoint as ck
 d = sys.argv[1]
 m = torch.nn.Linear(2048, 2048)                          # 16 MB of weights per checkpoint
 for step in range(1, 1000):
@@ -103,7 +103,7 @@ for step in range(1, 1000):
 
 CHILD_MIDWRITE = r"""
 import sys, time, torch
-from dsv4.harness import checkpoint as ck
+from dsv4.harness.train import checkpoint as ck
 d = sys.argv[1]
 real_save = ck.save_file
 def save_then_stall(tensors, path):                      # step 2: one file written, then stall inside the writer
@@ -191,8 +191,8 @@ def test_packed_thd_training_deterministic_and_resumable(tmp_path):
         assert [h[k] for h in ha[4:]] == [h[k] for h in hb], k
     assert a["lm loss"][0] > 5.3 and min(a["lm loss"][-3:]) < a["lm loss"][0] - 1.0
     assert all(0 < h["tokens"] <= 2 * 32 for h in ha)
-    from dsv4.harness.data import IndexedTokens
-    from dsv4.harness.train import PackedSource
+    from dsv4.harness.train.data import IndexedTokens
+    from dsv4.harness.train.loop import PackedSource
     src = PackedSource(IndexedTokens(str(A / "data" / "corpus")), 64, 1234)
     b0 = src.batch(0)                                                  # labels: next token inside each document
     for i in range(len(b0["cu_seqlens"]) - 1):
@@ -212,7 +212,7 @@ def _invoke(args):
 
 def _diverge(monkeypatch, poison):
     """Train with a model whose `poison(model, step_counter)` makes something non-finite."""
-    from dsv4.harness import train as T
+    from dsv4.harness.train import loop as T
     real = T.build_model
 
     def factory(cfg):
@@ -260,7 +260,7 @@ def test_nonfinite_loss_and_parameters_stop_the_run(tmp_path, monkeypatch):
     r = _invoke(["--recipe", "debug", "--steps", "2", "--out", str(tmp_path / "b")])
     assert r.exit_code == 1 and "step 0: non-finite parameter layers.0.ffn.gate.weight" in r.stderr, r.output
 
-    from dsv4.harness import optim
+    from dsv4.harness.train import optim
     monkeypatch.undo()
     real_step = optim.DSv4Optimizer.step
 
@@ -329,7 +329,7 @@ def test_text_not_utf8_is_refused_naming_file_and_offset(tmp_path):
 def test_every_run_is_checkpointed_and_converts(tmp_path):
     from dsv4.harness.convert_cli import convert_cmd
     from dsv4.harness.goldens import config_hash
-    from dsv4.harness.train import RECIPES
+    from dsv4.harness.train.loop import RECIPES
     from dsv4.model.interop import from_hf, load_official
     A = tmp_path / "A"
     _run(["--recipe", "debug", "--steps", "2", "--out", str(A), "--json"])   # no --save-interval

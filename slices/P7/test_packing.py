@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from dsv4.harness.data import MockVarlenDataset
-from dsv4.harness.packing import PackingError, imbalance, materialize, schedule
+from dsv4.harness.train.data import MockVarlenDataset
+from dsv4.harness.train.packing import PackingError, imbalance, materialize, schedule
 
 
 def _docs():

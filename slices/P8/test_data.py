@@ -4,9 +4,9 @@ import os
 import numpy as np
 import pytest
 
-from dsv4.harness.data import (EOD, ByteTokenizer, DataError, GPTSamples, IndexedTokens, MockVarlenDataset,
+from dsv4.harness.train.data import (EOD, ByteTokenizer, DataError, GPTSamples, IndexedTokens, MockVarlenDataset,
                                build_text_dataset, stdlib_documents, write_indexed)
-from dsv4.harness.packing import materialize, schedule
+from dsv4.harness.train.packing import materialize, schedule
 
 
 def test_megatron_reads_our_files_and_writes_identical_bytes(tmp_path):

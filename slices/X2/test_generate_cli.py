@@ -42,8 +42,8 @@ def test_init_from_a_dsv4_training_run(tmp_path):
     """--init RUN_DIR: the run's last checkpoint (config from meta.json) loads with its trained weights."""
     from dataclasses import replace
 
-    from dsv4.harness.loading import load_model
-    from dsv4.harness.train import RECIPES, train
+    from dsv4.harness.train.loading import load_model
+    from dsv4.harness.train.loop import RECIPES, train
     from safetensors.torch import load_file
     torch.set_num_threads(1)
     train(replace(RECIPES["debug"], steps=2, save_interval=1), str(tmp_path), seed=1, progress=False)

@@ -64,7 +64,7 @@ def _full(t):
 
 
 def train_steps(par, opt, data, clip=1.0, lr=1e-2):
-    """The training step of harness/train_dist.py on `par` (a Parallelized, or None: the plain one-rank model
+    """The training step of harness/train/dist.py on `par` (a Parallelized, or None: the plain one-rank model
     given as `opt.model_`); returns (metrics per step, grads of step 1 {name: full tensor}, parameters after
     step 1)."""
     hist, grads, params = [], None, None
@@ -92,7 +92,7 @@ def params_of(par) -> dict:
 def plan_worker(rank, ws, port, outdir, plan_kw, cfg_kw, B, S, steps, optimizer="muon"):
     """Train `steps` steps under ParallelPlan(**plan_kw); write metrics, step-1 grads and final params."""
     init(rank, ws, port)
-    from dsv4.harness.optim import build_optimizer
+    from dsv4.harness.train.optim import build_optimizer
     from dsv4.model.parallel import ParallelPlan, build_mesh, parallelize
     model = build(**cfg_kw)
     data = batches(model.cfg, B, S, steps)
@@ -157,7 +157,7 @@ def seeded_grads(named, seed=7):
 def muon_step_worker(rank, ws, port, outdir, steps=2):
     """Optimizer steps of the FSDP2-sharded model on given (seeded) gradients: the update alone."""
     init(rank, ws, port)
-    from dsv4.harness.optim import build_optimizer
+    from dsv4.harness.train.optim import build_optimizer
     from dsv4.model.parallel import ParallelPlan, build_mesh, parallelize
     plan = ParallelPlan(dp=ws)
     par = parallelize(build(), build_mesh(plan, timeout_s=TIMEOUT_S), plan, batch_shape=(ws, 8))
@@ -173,8 +173,8 @@ def muon_step_worker(rank, ws, port, outdir, steps=2):
 def dcp_save_worker(rank, ws, port, outdir, plan_kw, ckpt_dir, steps=1):
     """Train `steps` steps on a mesh, save a DCP checkpoint, return the gathered state of this rank."""
     init(rank, ws, port)
-    from dsv4.harness import dcp_checkpoint as dcpk
-    from dsv4.harness.optim import build_optimizer
+    from dsv4.harness.train import dcp_checkpoint as dcpk
+    from dsv4.harness.train.optim import build_optimizer
     from dsv4.model.parallel import ParallelPlan, build_mesh, parallelize
     model = build()
     plan = ParallelPlan(**plan_kw)
@@ -190,8 +190,8 @@ def dcp_save_worker(rank, ws, port, outdir, plan_kw, ckpt_dir, steps=1):
 def dcp_load_worker(rank, ws, port, outdir, plan_kw, ckpt_dir):
     """Load a DCP checkpoint (saved on any mesh) into other weights on this mesh; the gathered state."""
     init(rank, ws, port)
-    from dsv4.harness import dcp_checkpoint as dcpk
-    from dsv4.harness.optim import build_optimizer
+    from dsv4.harness.train import dcp_checkpoint as dcpk
+    from dsv4.harness.train.optim import build_optimizer
     from dsv4.model.parallel import ParallelPlan, build_mesh, parallelize
     plan = ParallelPlan(**plan_kw)
     par = parallelize(build(seed=3), build_mesh(plan, timeout_s=TIMEOUT_S), plan, batch_shape=(4, 16))

@@ -21,8 +21,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dsv4.harness import dcp_checkpoint as dcpk
-from dsv4.harness.optim import build_optimizer
+from dsv4.harness.train import dcp_checkpoint as dcpk
+from dsv4.harness.train.optim import build_optimizer
 from dsv4.model.parallel import single
 from dsv4.slices.X3 import _workers as W
 

@@ -20,7 +20,7 @@ gradient is ~0 (mHC base terms) flip by 2 lr on 1e-8 differences; their gradient
 import pytest
 import torch
 
-from dsv4.harness.optim import build_optimizer, param_group_of
+from dsv4.harness.train.optim import build_optimizer, param_group_of
 from dsv4.model.config import get_config
 from dsv4.model.parallel import ParallelPlan, PlanError, single
 from dsv4.slices.X3 import _workers as W

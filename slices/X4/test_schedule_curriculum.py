@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dsv4.harness.curriculum import get_curriculum, stage_at, total_steps
-from dsv4.harness.schedule import ScheduleError, decay_start, lr_for, mtp_weight_for
-from dsv4.harness.train import RECIPES, build_model, train
+from dsv4.harness.train.curriculum import get_curriculum, stage_at, total_steps
+from dsv4.harness.train.schedule import ScheduleError, decay_start, lr_for, mtp_weight_for
+from dsv4.harness.train.loop import RECIPES, build_model, train
 
 
 def _hist(d):
@@ -48,7 +48,7 @@ def test_debug_recipe_unchanged():
     r = RECIPES["debug"]
     assert (r.lr_schedule, r.mtp_weight_after_decay, r.curriculum, r.sft, r.init) == ("cosine", None, None,
                                                                                       False, None)
-    assert [lr_for(r, s) for s in range(1, 13)] == [__import__("dsv4.harness.optim", fromlist=["lr_at"]).lr_at(
+    assert [lr_for(r, s) for s in range(1, 13)] == [__import__("dsv4.harness.train.optim", fromlist=["lr_at"]).lr_at(
         s, r.lr, r.warmup, r.steps, r.min_lr) for s in range(1, 13)]
 
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4.harness.data import ByteTokenizer
-from dsv4.harness.sft import END, IGNORE, SFTSource, encode_chat, labels_for, read_chat_jsonl, synthetic_chats
+from dsv4.harness.train.data import ByteTokenizer
+from dsv4.harness.train.sft import END, IGNORE, SFTSource, encode_chat, labels_for, read_chat_jsonl, synthetic_chats
 from dsv4.model.config import get_config
 from dsv4.model.model import DSv4Model
 
@@ -147,7 +147,7 @@ def test_sft_source_rows_and_chunks():
 def test_train_sft_from_jsonl_tokenizer_and_init(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from dsv4.harness.train import RECIPES, train
+    from dsv4.harness.train.loop import RECIPES, train
     from dsv4.model.interop import to_hf
     from dataclasses import replace
     p = tmp_path / "chats.jsonl"
@@ -170,7 +170,7 @@ def test_train_sft_from_jsonl_tokenizer_and_init(tmp_path):
                  progress=False)
     assert res2["lm loss"][-1] == res["lm loss"][-1]
     # the --init weights were used: step 1's loss equals the initial model's loss on step 1's batch
-    from dsv4.harness.tokenizer import load_tokenizer
+    from dsv4.harness.train.tokenizer import load_tokenizer
     b = SFTSource(read_chat_jsonl(str(p)), load_tokenizer(str(tmp_path / "tok.json")), 128, 1).batch(0)
     x, y = torch.from_numpy(b["tokens"])[None], torch.from_numpy(b["labels"])[None]
     ref = init.train()(x, y, cu_seqlens=torch.from_numpy(b["cu_seqlens"]),

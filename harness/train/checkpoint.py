@@ -143,7 +143,7 @@ def _save(ckpt_dir, name, tmp, step, model, optim_state, meta) -> str:
 def publish(ckpt_dir: str, tmp: str, name: str) -> str:
     """Make the fully written (and fsynced) temp dir `tmp` the step dir `name`, then point `latest` at it: each
     step an atomic rename, so a kill at any point leaves the previous checkpoint loadable. Returns the step dir.
-    Shared by the single-process and the DCP (harness/dcp_checkpoint.py) checkpoints."""
+    Shared by the single-process and the DCP (harness/train/dcp_checkpoint.py) checkpoints."""
     _fsync_dir(tmp)
     final = os.path.join(ckpt_dir, name)
     if os.path.exists(final):                                              # re-saving the same step

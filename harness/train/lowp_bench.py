@@ -1,6 +1,6 @@
 """Slice X1 on one GPU: training tokens/s and a short loss comparison of the precision recipes on `proxy`.
 
-    python -m dsv4.harness.lowp_bench --tokens 4096,16384 --loss-steps 30 --out x1_bench.json
+    python -m dsv4.harness.train.lowp_bench --tokens 4096,16384 --loss-steps 30 --out x1_bench.json
 
 Per recipe (model/lowp/recipe.py: bf16, fp8_tensor, fp8_block, fp4_qat): the model of `dsv4 bench train`
 (`build_ours`: bf16 with P1's FP32-kept tensors, Triton kernels), the recipe applied from outside (expert QAT
@@ -20,7 +20,7 @@ import torch
 
 
 def _build(cfg, recipe: str, backend: str, device):
-    from dsv4.harness.bench_train import build_ours
+    from dsv4.harness.train.bench import build_ours
     from dsv4.model.lowp.recipe import apply_precision_recipe, get_recipe
     torch.manual_seed(0)
     model = build_ours(cfg, backend, device)
@@ -44,7 +44,7 @@ def _losses(model, V, B, S, steps, device, lr=1e-3):
 
 
 def main(argv=None) -> int:
-    from dsv4.harness.bench_train import time_steps
+    from dsv4.harness.train.bench import time_steps
     from dsv4.model.config import get_config
     from dsv4.model.lowp import fp8_linear as L
     ap = argparse.ArgumentParser()

@@ -4,16 +4,16 @@
                [--device cpu|cuda] [--dtype fp32|bf16] [--save-interval K] [--json]
 
 Per step: forward (LM + MTP + indexer + MoE aux losses inside the model), backward, gradient clipping, Muon +
-AdamW step with warm-up + cosine LR (harness/optim.py), MoE expert-bias update. Recorded per step, under
+AdamW step with warm-up + cosine LR (harness/train/optim.py), MoE expert-bias update. Recorded per step, under
 Megatron's metric names where one exists: `lm loss`, `mtp_1 loss`, `indexer loss`, `moe aux loss`,
 `total loss`, `grad-norm`, `num-zeros` (zero entries in the gradients, as `--log-num-zeros-in-grad`),
-`iteration-time`, `tokens-per-sec`, `tflops` (model FLOPs from harness/flops.py), `lr`, and on CUDA
+`iteration-time`, `tokens-per-sec`, `tflops` (model FLOPs from harness/train/flops.py), `lr`, and on CUDA
 `mem-allocated-bytes` / `mem-max-allocated-bytes`.
 
 Outputs in `--out`: TensorBoard events (`tensorboard/`), `golden_values.json` (Megatron's golden-values
 format: per metric {start_step, end_step, step_interval, values {"1": ...}}, 5 decimals, "nan" if missing),
 `metrics.jsonl`, `run.json`, `provenance.json` (harness.goldens.provenance: what `dsv4 compare` reports show),
-`checkpoints/` (harness/checkpoint.py; atomic; the last step is always saved, with the model config, so every
+`checkpoints/` (harness/train/checkpoint.py; atomic; the last step is always saved, with the model config, so every
 run can be resumed and converted: `dsv4 convert <out> <dst> --to hf`).
 
 Runs that would waste time are stopped: a non-finite loss, gradient or parameter stops the run at that step
@@ -43,12 +43,12 @@ import click
 import numpy as np
 import torch
 
-from dsv4.harness import checkpoint as ckpt
+from dsv4.harness.train import checkpoint as ckpt
 from dsv4.harness import goldens as G
 from dsv4.harness.errors import is_disk_full, report_bad_input
-from dsv4.harness.data import DataError, GPTSamples, IndexedTokens, build_text_dataset, text_documents
-from dsv4.harness.flops import flops_per_token
-from dsv4.harness.optim import build_optimizer, lr_at
+from dsv4.harness.train.data import DataError, GPTSamples, IndexedTokens, build_text_dataset, text_documents
+from dsv4.harness.train.flops import flops_per_token
+from dsv4.harness.train.optim import build_optimizer, lr_at
 from dsv4.model.config import ConfigError, DSv4Config, get_config
 from dsv4.model.interop.common import load_checked
 
@@ -80,14 +80,14 @@ class Recipe:
     text_errors: str = "strict"     # text files that are not UTF-8: strict (refuse) | replace (U+FFFD)
     compile: bool = False           # torch.compile every block (DSv4Model.compile_blocks); same math
     # --- opt-in extensions (issue 18; the defaults keep the debug / tiny / proxy runs and their goldens) ---
-    lr_schedule: str = "cosine"     # cosine | wsd (warm-up, stable until decay_start, cosine) -- harness/schedule.py
+    lr_schedule: str = "cosine"     # cosine | wsd (warm-up, stable until decay_start, cosine) -- harness/train/schedule.py
     decay_start: int = 0            # wsd: last step at the peak LR
     mtp_weight_after_decay: float | None = None   # DSv4 §10.2: MTP weight 0.3 -> this (0.1) once the LR decays
-    curriculum: str | None = None   # long-context stages (harness/curriculum.py); packed rows of each stage's length
-    sft: bool = False               # SFT: chat JSONL, assistant-only labels, packed rows (harness/sft.py)
+    curriculum: str | None = None   # long-context stages (harness/train/curriculum.py); packed rows of each stage's length
+    sft: bool = False               # SFT: chat JSONL, assistant-only labels, packed rows (harness/train/sft.py)
     sft_data: str | None = None     # chat JSONL (default: the synthetic arithmetic chats)
     tokenizer: str | None = None    # tokenizer.json for sft_data (default: byte-level)
-    init: str | None = None         # start from a checkpoint: HF / official dir or a dsv4 run (harness/loading.py)
+    init: str | None = None         # start from a checkpoint: HF / official dir or a dsv4 run (harness/train/loading.py)
     recompute: bool = False         # whole-block activation recompute (long sequences)
 
 
@@ -222,7 +222,7 @@ class PackedSource:
     a pure function of (seed, k), so resuming is exact. Labels are next tokens inside each document."""
 
     def __init__(self, data: IndexedTokens, capacity: int, seed: int):
-        from dsv4.harness.packing import schedule
+        from dsv4.harness.train.packing import schedule
         self.data, self.capacity, self.seed, self._schedule = data, capacity, seed, schedule
         self.epochs: dict = {}
 
@@ -235,7 +235,7 @@ class PackedSource:
 
     def batch(self, k: int) -> dict:
         """Step k (0-based) -> materialized packed micro-batch (numpy)."""
-        from dsv4.harness.packing import materialize
+        from dsv4.harness.train.packing import materialize
         e = 0
         while True:
             view, steps = self._epoch(e)
@@ -337,10 +337,10 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
 
-    from dsv4.harness import schedule as sched
+    from dsv4.harness.train import schedule as sched
     init_model = None
     if recipe.init:
-        from dsv4.harness.loading import load_model
+        from dsv4.harness.train.loading import load_model
         init_model, _ = load_model(recipe.init)
         cfg = init_model.cfg
     else:
@@ -355,8 +355,8 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
     corpus = IndexedTokens(os.path.join(out, "data", "corpus"))
     packed_src = stages = None
     if recipe.sft:
-        from dsv4.harness.sft import SFTSource, read_chat_jsonl, synthetic_chats
-        from dsv4.harness.tokenizer import load_tokenizer
+        from dsv4.harness.train.sft import SFTSource, read_chat_jsonl, synthetic_chats
+        from dsv4.harness.train.tokenizer import load_tokenizer
         tok = load_tokenizer(recipe.tokenizer)
         if tok.vocab_size > cfg.vocab_size:
             raise TrainError(f"train.tokenizer: vocabulary {tok.vocab_size} > the model's {cfg.vocab_size}")
@@ -365,7 +365,7 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
         data_info["sft"] = {"conversations": len(convs), "data": recipe.sft_data or "synthetic",
                             "tokenizer": recipe.tokenizer or "byte"}
     elif recipe.curriculum:
-        from dsv4.harness.curriculum import CurriculumSource, get_curriculum
+        from dsv4.harness.train.curriculum import CurriculumSource, get_curriculum
         stages = get_curriculum(recipe.curriculum)
         packed_src = CurriculumSource(corpus, stages, seed, PackedSource)
     elif recipe.packing:
@@ -552,7 +552,7 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
 
 
 def _cfg_dict(cfg, base_mtp) -> dict:
-    """The config as built (a checkpoint of an --init run must name it; harness/loading.py reads it), with the
+    """The config as built (a checkpoint of an --init run must name it; harness/train/loading.py reads it), with the
     per-step schedule settings reset."""
     d = cfg.to_dict()
     d["mtp_loss_scaling_factor"], d["indexer_loss_mode"] = base_mtp
@@ -586,7 +586,7 @@ def _cfg_dict(cfg, base_mtp) -> dict:
               help="start from a checkpoint: HF / official directory or a dsv4 run")
 @click.option("--sft-data", type=click.Path(), default=None, help="SFT recipes: chat JSONL ({'messages': [...]})")
 @click.option("--tokenizer", type=click.Path(), default=None, help="tokenizer.json for --sft-data (default: bytes)")
-@click.option("--curriculum", default=None, help="long-context stages (harness/curriculum.py: debug-long, "
+@click.option("--curriculum", default=None, help="long-context stages (harness/train/curriculum.py: debug-long, "
               "proxy-long)")
 @click.option("--lr-schedule", type=click.Choice(["cosine", "wsd"]), default=None)
 @click.option("--decay-start", type=int, default=None, help="wsd: last step at the peak LR")
@@ -596,7 +596,7 @@ def _cfg_dict(cfg, base_mtp) -> dict:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON summary on stdout (strict JSON: non-finite "
               "floats as \"nan\" / \"inf\" / \"-inf\")")
 @click.option("--dp", type=int, default=None, help="data parallel (FSDP2) size; any parallel flag or torchrun's "
-              "WORLD_SIZE selects the distributed loop (harness/train_dist.py)")
+              "WORLD_SIZE selects the distributed loop (harness/train/dist.py)")
 @click.option("--pp", type=int, default=None, help="pipeline stages (torch.distributed.pipelining)")
 @click.option("--vpp", type=int, default=None, help="chunks per pipeline rank (needs --schedule interleaved1f1b)")
 @click.option("--cp", type=int, default=None, help="context parallel size (the CP layout)")
@@ -637,12 +637,12 @@ def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, fi
             kw["sft"] = True
         r = Recipe(**{**asdict(r), **kw})
         if r.curriculum and "steps" not in kw:
-            from dsv4.harness.curriculum import get_curriculum, total_steps
+            from dsv4.harness.train.curriculum import get_curriculum, total_steps
             r = Recipe(**{**asdict(r), "steps": total_steps(get_curriculum(r.curriculum))})
         par = dict(dp=dp, pp=pp, vpp=vpp, cp=cp, ep=ep, schedule=schedule, microbatches=microbatches)
         if any(v is not None for v in par.values()) or optimizer is not None or fsdp_bf16 or \
                 int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from dsv4.harness.train_dist import train_distributed
+            from dsv4.harness.train.dist import train_distributed
             from dsv4.model.parallel import ParallelPlan
             par = {k: v for k, v in par.items() if v is not None}
             par.setdefault("microbatches", par.get("pp", 1))

@@ -2,7 +2,7 @@
 the same config, in the same process and run (the peer measured in the same conditions).
 
 Per (implementation, tokens): fwd+bwd steps of a random-token LM batch in bf16 on one GPU, after warm-up;
-tokens/s, peak memory, and model FLOPs utilisation by our FLOP accounting (`harness/flops.py`) against the
+tokens/s, peak memory, and model FLOPs utilisation by our FLOP accounting (`harness/train/flops.py`) against the
 H200's dense bf16 peak (989 TFLOP/s spec; 797 measured for a large matmul — both are reported).
 Implementations: `ours` (FP32-kept tensors of P1, kernels by `--backend`), `hf_eager`, `hf_compile`
 (torch.compile default mode). OOM is recorded as such, not as a crash.
@@ -83,7 +83,7 @@ def time_steps(model, B, S, V, steps, warmup, device, is_hf: bool):
 
 def run(config: str, tokens: list[int], batch: int, steps: int, warmup: int, impls: list[str], backend: str,
         recompute_from: int = 32768, compile_: bool = False) -> dict:
-    from dsv4.harness.flops import flops_per_token
+    from dsv4.harness.train.flops import flops_per_token
     from dsv4.harness.goldens import provenance
     from dsv4.model.config import get_config
     from dsv4.harness.errors import need_cuda

@@ -3,14 +3,14 @@
     torchrun --nproc_per_node 2 $(which dsv4) train --recipe debug --dp 2
     torchrun --nproc_per_node 4 $(which dsv4) train --recipe tiny --dp 2 --pp 2 --schedule 1f1b --microbatches 2
 
-The same step as the one-device loop (harness/train.py) on the same global batch per step (recipe.batch_size
+The same step as the one-device loop (harness/train/loop.py) on the same global batch per step (recipe.batch_size
 sequences of recipe.seq_len tokens: dp / ep ranks take their rows, cp ranks their part of the token stream,
 pipeline stages split it into --microbatches), so a run on any mesh follows the one-rank loss curve within fp
 reassociation (slices/X3 tests). World size 1 (e.g. `--dp 1` without torchrun) runs the same code without a
 process group. Every collective has a timeout (--timeout, default 120 s): a dead rank is an error, not a hang.
 
 Outputs as the one-device loop, written by rank 0: metrics.jsonl, golden_values.json, run.json (with the mesh);
-checkpoints are DCP (harness/dcp_checkpoint.py) and reshardable: a run saved at dp=2 / pp=2 resumes on any
+checkpoints are DCP (harness/train/dcp_checkpoint.py) and reshardable: a run saved at dp=2 / pp=2 resumes on any
 mesh, e.g. `--dp 1`. Not supported here: --packing (THD batches under dp / pp), CUDA beyond what torch's
 engines do by themselves (NCCL and multi-GPU were not validated: gloo on CPU processes only).
 """
@@ -26,12 +26,12 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from dsv4.harness import dcp_checkpoint as dcpk
-from dsv4.harness.data import GPTSamples, IndexedTokens, build_text_dataset, text_documents
-from dsv4.harness.flops import flops_per_token
-from dsv4.harness.optim import build_optimizer, lr_at
+from dsv4.harness.train import dcp_checkpoint as dcpk
+from dsv4.harness.train.data import GPTSamples, IndexedTokens, build_text_dataset, text_documents
+from dsv4.harness.train.flops import flops_per_token
+from dsv4.harness.train.optim import build_optimizer, lr_at
 from dsv4.harness.goldens import atomic_write_json
-from dsv4.harness.train import Recipe, TrainError, _git_sha, config_hash, golden_values
+from dsv4.harness.train.loop import Recipe, TrainError, _git_sha, config_hash, golden_values
 from dsv4.model.config import get_config
 from dsv4.model.parallel import ParallelPlan, build_mesh, init_distributed, parallelize, single
 from dsv4.model.parallel.parallelize import PlanError

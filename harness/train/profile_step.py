@@ -1,6 +1,6 @@
 """Profile one fwd+bwd training step of our DSv4 model on a GPU (torch.profiler), for `dsv4 bench train` work.
 
-    python -m dsv4.harness.profile_train --tokens 4096 --out DIR [--recompute-from 32768] [--backend triton]
+    python -m dsv4.harness.train.profile_step --tokens 4096 --out DIR [--recompute-from 32768] [--backend triton]
 
 Writes DIR/profile_<T>.txt: key_averages sorted by CUDA time (self and total), with record_function ranges
 around each block's attention / FFN / mHC and the heads (forward only; backward kernels are listed by name),
@@ -46,7 +46,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     from torch.profiler import ProfilerActivity, profile
 
-    from dsv4.harness.bench_train import build_ours
+    from dsv4.harness.train.bench import build_ours
     from dsv4.model.config import get_config
     cfg = get_config(args.config)
     dev = torch.device("cuda")

@@ -1,4 +1,4 @@
-"""Tokenizers for generation and SFT: the project's byte-level tokenizer (default; harness/data.py) or one
+"""Tokenizers for generation and SFT: the project's byte-level tokenizer (default; harness/train/data.py) or one
 built from a file the user gives (no hub access): a Hugging Face `tokenizers` JSON file (tokenizer.json).
 
 Both expose encode(text) -> np.int64 ids, decode(ids) -> str, vocab_size, eod (the end-of-document id).
@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from dsv4.harness.data import ByteTokenizer, DataError
+from dsv4.harness.train.data import ByteTokenizer, DataError
 
 
 class FileTokenizer:

@@ -2,7 +2,7 @@
 
   * a Hugging Face DeepseekV4 directory (config.json + safetensors with `model.` names)  -> model/interop.from_hf
   * an official-naming directory (config.json + safetensors, `layers.{i}.attn.*` names) -> load_official
-  * a `dsv4 train` run / checkpoints / step directory (meta.json; harness/checkpoint.py) -> its recipe's config
+  * a `dsv4 train` run / checkpoints / step directory (meta.json; harness/train/checkpoint.py) -> its recipe's config
     (or the `config` dict the SFT recipe stores) with the saved state dict.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from dsv4.harness import checkpoint as ckpt
+from dsv4.harness.train import checkpoint as ckpt
 
 
 class InitError(ValueError):

@@ -1,7 +1,7 @@
 """Recipe schedules (issue 18, slice X4): learning rate (warm-up + cosine, or warm-up-stable-decay) and the
 DSv4 MTP loss weight, 0.3 until the LR decay starts and 0.1 from then on (spec §10.2, "same as V3").
 
-    cosine: linear warm-up to the peak over `warmup` steps, then cosine to min_lr at `total` (harness/optim.lr_at):
+    cosine: linear warm-up to the peak over `warmup` steps, then cosine to min_lr at `total` (harness/train/optim.lr_at):
             the decay starts right after the warm-up (decay start D = warmup).
     wsd:    linear warm-up, constant peak until step D = `decay_start`, then cosine to min_lr at `total`.
 The MTP weight is opt-in (`mtp_weight_after_decay`, e.g. 0.1): steps <= D use the config's
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from dsv4.harness.optim import lr_at
+from dsv4.harness.train.optim import lr_at
 
 
 class ScheduleError(ValueError):

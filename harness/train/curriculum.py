@@ -3,7 +3,7 @@ attention stage change (spec §10.4: 4K -> 16K -> 64K -> 1M; dense attention fir
 64K stage after a short lightning-indexer warm-up).
 
 A stage = (name, steps, seq_len, indexer_loss_mode). Every step of a stage packs whole documents (P7
-scheduler, harness/packing.py; documents longer than the row are cut into chunks) into one THD row of
+scheduler, harness/train/packing.py; documents longer than the row are cut into chunks) into one THD row of
 `seq_len` tokens; the model's `indexer_loss_mode` is set per step:
     "dense"   CSA attends ALL visible compressed entries (no top-k; Megatron's csa_dense_mode) and the indexer
               is trained by its KL loss against that attention (its warm-up);
@@ -79,7 +79,7 @@ def stage_at(stages, step: int) -> tuple[int, Stage, int]:
 
 
 class CurriculumSource:
-    """batch(k) (0-based run step) -> the packed row of the stage that step belongs to (harness/train.py's
+    """batch(k) (0-based run step) -> the packed row of the stage that step belongs to (harness/train/loop.py's
     PackedSource per stage)."""
 
     def __init__(self, data, stages, seed: int, packed_source_cls):

@@ -12,7 +12,7 @@ resharding form that also works across pipeline layouts), so a checkpoint saved 
 (dp=2 -> dp=1, pp=2 -> pp=1, ...). Tensors keep their dtypes: P1's mixed-dtype state (FP32 moments of FP32-kept
 parameters beside bf16 ones, Muon's momentum) comes back bit-exact.
 
-Atomicity (as harness/checkpoint.py): every rank writes into `.tmp-step_XXXXXX/` (a name all ranks agree on);
+Atomicity (as harness/train/checkpoint.py): every rank writes into `.tmp-step_XXXXXX/` (a name all ranks agree on);
 after a barrier rank 0 writes meta.json, fsyncs, renames the directory into place with `os.replace` and
 replaces `latest` atomically. A run killed at any moment leaves the previous `latest` complete; a temp
 directory is ignored and cleaned at the next save.
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dsv4.harness.checkpoint import CheckpointError, _fsync_dir, _write_json, publish
+from dsv4.harness.train.checkpoint import CheckpointError, _fsync_dir, _write_json, publish
 
 
 def _dist() -> bool:

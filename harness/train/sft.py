@@ -1,7 +1,7 @@
 """Supervised fine-tuning data (issue 18, extension slice X5): chat JSONL -> token ids + assistant-only loss
-mask -> packed THD rows from the P7 scheduler (harness/packing.py). Recipe layer only: the model and the loop
+mask -> packed THD rows from the P7 scheduler (harness/train/packing.py). Recipe layer only: the model and the loop
 are the pretraining ones (`dsv4 train --recipe sft-debug [--sft-data chats.jsonl] [--tokenizer tok.json]
-[--init CKPT]`, harness/train.py).
+[--init CKPT]`, harness/train/loop.py).
 
 Input: one conversation per line, `{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}]}`.
 Chat format (plain text, so the byte-level tokenizer needs no special ids; a user tokenizer file tokenises the
@@ -25,7 +25,7 @@ import os
 
 import numpy as np
 
-from dsv4.harness.data import DataError
+from dsv4.harness.train.data import DataError
 
 IGNORE = -100
 ROLES = ("system", "user", "assistant")
@@ -107,7 +107,7 @@ def synthetic_chats(n: int = 256, seed: int = 0) -> list[list[dict]]:
 
 
 class SFTSource:
-    """Packed SFT rows: batch(k) -> the dict harness/packing.materialize returns (tokens, labels, cu_seqlens,
+    """Packed SFT rows: batch(k) -> the dict harness/train/packing.materialize returns (tokens, labels, cu_seqlens,
     cu_seqlens_padded, position_ids), with the assistant-only labels."""
 
     def __init__(self, convs: list[list[dict]], tok, capacity: int, seed: int):
@@ -116,7 +116,7 @@ class SFTSource:
         self.epochs: dict = {}
 
     def _epoch(self, e: int):
-        from dsv4.harness.packing import schedule
+        from dsv4.harness.train.packing import schedule
         if e not in self.epochs:
             order = np.random.RandomState((self.seed * 1_000_003 + 7919 * e + 3) % 2**32).permutation(len(self.enc))
             lengths = [len(self.enc[i][0]) for i in order]
