@@ -1024,7 +1024,7 @@ DIFF_CASES.append(MCase(
 
 
 # whole-layer (MoE, MTP) and packed / context-parallel cases register themselves into CASES
-from dsv4.harness import megatron_cases_layers  # noqa: E402,F401
+from dsv4.harness import megatron_cases_layers, megatron_cases_packed  # noqa: E402,F401
 
 
 def by_slice() -> dict[str, list[MCase]]:

@@ -245,10 +245,12 @@ def import_megatron(path: Path, slice_name: str | None = None, log=print) -> lis
 
 # ------------------------------------------------------------------------------------------- verify
 def verify_against(slice_name: str | None = None, log=print) -> dict:
-    """Ours vs the stored megatron-dev goldens. Exit code 1 regression, 2 cannot judge, 0 pass."""
+    """Ours vs the stored megatron-dev goldens (verify.compare_outputs, the loop `dsv4 verify` uses). Exit code 1
+    regression, 2 cannot judge, 0 pass."""
     import torch
 
     from . import goldens as G
+    from .verify import compare_outputs, fmt, slice_verdict
     _pin_numerics()
     torch.manual_seed(0)
     t_start = time.time()
@@ -278,17 +280,8 @@ def verify_against(slice_name: str | None = None, log=print) -> dict:
                 recs.append({"check": c.name, "kind": "golden", "verdict": "error",
                              "detail": f"case raised {type(e).__name__}: {e}"})
                 continue
-            gouts = golden["outputs"]
-            for o in sorted(set(gouts) | set(out)):
-                if o not in gouts:
-                    recs.append({"check": f"{c.name}.{o}", "kind": "golden", "verdict": "fail",
-                                 "detail": "output not in the megatron-dev golden (re-import needed?)"})
-                    continue
-                r = G.compare_output(o, gouts[o], out.get(o), case_tol(c, spread))
-                r["check"] = f"{c.name}.{o}"
-                r["time_s"] = round(time.time() - t0, 3)
-                recs.append(r)
-        from .verify import fmt, slice_verdict
+            recs += compare_outputs(c.name, golden["outputs"], out, case_tol(c, spread), dt=time.time() - t0,
+                                    missing_hint="megatron-dev: re-import")
         v = slice_verdict(recs)
         log(f"{sl}  (against {PLATFORM})")
         for r in recs:
