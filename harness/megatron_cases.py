@@ -436,21 +436,16 @@ def _hadamard_fp32(x):
     return (x.float() @ Hm.T * n ** -0.5).to(x.dtype)
 
 
-def _dev_attention(M, li):
-    """Dev's DSv4HybridSelfAttention from get_dsv4_hybrid_module_spec_for_backend on CPU: local (non-TE) backend,
-    TELinear stood in by a plain y = x W^T module, the Hadamard rotation in fp32, gloo world of 1."""
+def _dev_world(M):
+    """Dev on CPU: a gloo world of 1 with Megatron's parallel state, TELinear stood in by a plain y = x W^T module
+    (no Transformer Engine here), the Hadamard rotation in fp32. Returns the local (non-TE) backend whose
+    linear() is that stand-in."""
     import socket
 
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
-        get_dsv4_hybrid_module_spec_for_backend)
     from megatron.core.transformer.experimental_attention_variant import deepseek_v4_hybrid_attention as dha
-    from megatron.core.transformer.spec_utils import build_module
-
-    from dsv4.model.config import get_config
-    from dsv4.model.interop.megatron_config import to_megatron_config
     if not dist.is_initialized():
         sk = socket.socket()
         sk.bind(("127.0.0.1", 0))
@@ -472,13 +467,31 @@ def _dev_attention(M, li):
             return Linear
     dha.TELinear = Linear
     M.csa.rotate_activation = _hadamard_fp32
-    mc = to_megatron_config(get_config("debug", compress_ratios=_ATTN_RATIOS, hca_ratio=128))
+    return Backend()
+
+
+def _dev_config(M, cfg, **extra):
+    """Dev's MLATransformerConfig from model/interop/megatron_config.to_megatron_config(cfg) (+ qk_layernorm,
+    unfused rope, no mscale, no linear bias) and `extra` fields."""
+    from dsv4.model.interop.megatron_config import to_megatron_config
+    mc = to_megatron_config(cfg)
     skip = ("experimental_attention_variant", "activation_func", "moe_router_load_balancing_type")
-    cfg = M.MLATransformerConfig(**{k: v for k, v in mc.items() if k not in skip},
-                                 experimental_attention_variant="dsv4_hybrid", use_cpu_initialization=True,
-                                 qk_layernorm=True, apply_rope_fusion=False, mscale=1.0, mscale_all_dim=0.0,
-                                 add_bias_linear=False, kv_lora_rank=32)
-    spec = get_dsv4_hybrid_module_spec_for_backend(cfg, Backend())
+    return M.MLATransformerConfig(**{k: v for k, v in mc.items() if k not in skip},
+                                  experimental_attention_variant="dsv4_hybrid", use_cpu_initialization=True,
+                                  qk_layernorm=True, apply_rope_fusion=False, mscale=1.0, mscale_all_dim=0.0,
+                                  add_bias_linear=False, kv_lora_rank=32, **extra)
+
+
+def _dev_attention(M, li):
+    """Dev's DSv4HybridSelfAttention from get_dsv4_hybrid_module_spec_for_backend on CPU (_dev_world)."""
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_dsv4_hybrid_module_spec_for_backend)
+    from megatron.core.transformer.spec_utils import build_module
+
+    from dsv4.model.config import get_config
+    backend = _dev_world(M)
+    cfg = _dev_config(M, get_config("debug", compress_ratios=_ATTN_RATIOS, hca_ratio=128))
+    spec = get_dsv4_hybrid_module_spec_for_backend(cfg, backend)
     return build_module(spec, config=cfg, layer_number=li + 1).eval()
 
 
@@ -916,7 +929,7 @@ def _hash_layers_dev(inp, M):
 
     from dsv4.model.config import get_config
     from dsv4.model.interop.megatron_config import to_megatron_config
-    _dev_attention(M, 0)                                        # initialises the gloo world of one (once)
+    _dev_world(M)                                               # initialises the gloo world of one (once)
     cfg = get_config(inp["name"])
     pg = ProcessGroupCollection.use_mpu_process_groups()
     out = {}
@@ -1008,6 +1021,10 @@ DIFF_CASES.append(MCase(
     "h_res cast to the activation dtype) + native_h_post_bda", _HC_MAP + "; bf16 streams and sublayer output",
     {k: (1e-2, 1e-2) for k in ("aggregated", "h_post", "h_res", "x_new")},
     "hyper_connection_module's inputs with x and f in bf16 (parameters fp32)"))
+
+
+# whole-layer (MoE, MTP) and packed / context-parallel cases register themselves into CASES
+from dsv4.harness import megatron_cases_layers, megatron_cases_packed  # noqa: E402,F401
 
 
 def by_slice() -> dict[str, list[MCase]]:

@@ -64,9 +64,10 @@ def ours_outputs(cases) -> dict:
     return out
 
 
-def measure_spread(log=print) -> dict:
-    """Our side of every case under each simulated host (one fresh process each) vs this host as it is:
-    the worst |diff| per output; written atomically to goldens/megatron-dev/_spread.json with provenance."""
+def measure_spread(names: list[str] | None = None, log=print) -> dict:
+    """Our side of every case (or of `names`, the other cases' stored spread kept) under each simulated host (one
+    fresh process each) vs this host as it is: the worst |diff| per output; written atomically to
+    goldens/megatron-dev/_spread.json with provenance."""
     from . import goldens as G
     from . import numerics as N
     runs = []
@@ -76,7 +77,8 @@ def measure_spread(log=print) -> dict:
             e = {k: v for k, v in os.environ.items() if k not in N.HOST_ENV}
             e.update(env)
             out = Path(d) / "o.json"
-            proc = subprocess.run([sys.executable, "-m", "dsv4.harness.megatron_import", "_ours", str(out)], env=e,
+            proc = subprocess.run([sys.executable, "-m", "dsv4.harness.megatron_import", "_ours", str(out),
+                                   *(names or [])], env=e,
                                   capture_output=True, text=True, timeout=1800)
             if proc.returncode != 0:
                 raise RuntimeError(f"ours under {env}: {(proc.stdout + proc.stderr).strip().splitlines()[-1:]}")
@@ -84,8 +86,11 @@ def measure_spread(log=print) -> dict:
     ref = runs[0][1]
     spread = {c: {o: N.output_spread({o: enc}, [(env, r[c]) for env, r in runs])[o]["max_abs"]
                   for o, enc in outs.items()} for c, outs in ref.items()}
-    doc = {"hosts": list(N.SIMULATED_HOSTS), "margin": XHOST_MARGIN, "max_abs": spread,
-           "provenance": G.provenance("cpu", command="python -m dsv4.harness.megatron_import spread")}
+    if names:
+        spread = dict(load_spread(), **spread)
+    doc = {"hosts": list(N.SIMULATED_HOSTS), "margin": XHOST_MARGIN, "max_abs": dict(sorted(spread.items())),
+           "provenance": G.provenance("cpu", command="python -m dsv4.harness.megatron_import spread"
+                                      + "".join(f" {n}" for n in names or []))}
     G.atomic_write_json(_spread_file(), doc)
     return doc
 
@@ -245,10 +250,12 @@ def import_megatron(path: Path, slice_name: str | None = None, log=print) -> lis
 
 # ------------------------------------------------------------------------------------------- verify
 def verify_against(slice_name: str | None = None, log=print) -> dict:
-    """Ours vs the stored megatron-dev goldens. Exit code 1 regression, 2 cannot judge, 0 pass."""
+    """Ours vs the stored megatron-dev goldens (verify.compare_outputs, the loop `dsv4 verify` uses). Exit code 1
+    regression, 2 cannot judge, 0 pass."""
     import torch
 
     from . import goldens as G
+    from .verify import compare_outputs, fmt, slice_verdict
     _pin_numerics()
     torch.manual_seed(0)
     t_start = time.time()
@@ -278,17 +285,8 @@ def verify_against(slice_name: str | None = None, log=print) -> dict:
                 recs.append({"check": c.name, "kind": "golden", "verdict": "error",
                              "detail": f"case raised {type(e).__name__}: {e}"})
                 continue
-            gouts = golden["outputs"]
-            for o in sorted(set(gouts) | set(out)):
-                if o not in gouts:
-                    recs.append({"check": f"{c.name}.{o}", "kind": "golden", "verdict": "fail",
-                                 "detail": "output not in the megatron-dev golden (re-import needed?)"})
-                    continue
-                r = G.compare_output(o, gouts[o], out.get(o), case_tol(c, spread))
-                r["check"] = f"{c.name}.{o}"
-                r["time_s"] = round(time.time() - t0, 3)
-                recs.append(r)
-        from .verify import fmt, slice_verdict
+            recs += compare_outputs(c.name, golden["outputs"], out, case_tol(c, spread), dt=time.time() - t0,
+                                    missing_hint="megatron-dev: re-import")
         v = slice_verdict(recs)
         log(f"{sl}  (against {PLATFORM})")
         for r in recs:
@@ -314,13 +312,16 @@ def verify_against(slice_name: str | None = None, log=print) -> dict:
 if __name__ == "__main__":
     if len(sys.argv) >= 4 and sys.argv[1] == "_worker":
         _worker(sys.argv[2], sys.argv[3], sys.argv[4:])
-    elif len(sys.argv) == 3 and sys.argv[1] == "_ours":
+    elif len(sys.argv) >= 3 and sys.argv[1] == "_ours":
         from dsv4.kernels._testing import use_interpreter
         use_interpreter()
         from dsv4.harness import goldens as _G
-        _G.atomic_write_json(Path(sys.argv[2]), ours_outputs(select(None)))
-    elif len(sys.argv) == 2 and sys.argv[1] == "spread":
-        measure_spread()
+        from dsv4.harness import megatron_cases as _MC
+        _cases = [_MC.get(n) for n in sys.argv[3:]] or select(None)
+        _G.atomic_write_json(Path(sys.argv[2]), ours_outputs(_cases))
+    elif len(sys.argv) >= 2 and sys.argv[1] == "spread":
+        measure_spread(sys.argv[2:] or None)
     else:
-        print("usage: python -m dsv4.harness.megatron_import _worker PATH OUT.json CASE...", file=sys.stderr)
+        print("usage: python -m dsv4.harness.megatron_import (spread [CASE...] | _worker PATH OUT.json CASE... | "
+              "_ours OUT.json [CASE...])", file=sys.stderr)
         sys.exit(2)
