@@ -30,6 +30,9 @@ def _cases():
     yield "sparse_attn_fwd", (_r(S, H, c), _r(S, c), None, None, _r(H), seg, pos, None, None, 4, 0, 0.25, 0)
     yield "compress_pool_fwd", (_r(8, B, 2 * c), _r(8, B, 2 * c), _r(4, 2 * c), 4, True)
     yield "indexer_scores_fwd", (_r(S, 2, c), _r(S // ratio, c), _r(S, 2), ratio, seg, pos, eseg, ej)
+    yield "indexer_scores_listed_fwd", (_r(S, 2, c), _r(S // ratio, c), _r(S, 2), idx)
+    yield "sparse_attn_entry_probs", (_r(S, H, c, grad=False), _r(S // ratio, c, grad=False), idx,
+                                      _r(S, H, grad=False).abs() + 3, seg, pos, eseg, ej, ratio, 0.25, 0)
     yield "hc_pre_fwd", (_r(N, n, d), _r((2 + n) * n, n * d), _r((2 + n) * n), _r(3), 3, 1e-6, 1e-6)
     yield "hc_post_fwd", (_r(N, n, d), _r(N, d), _r(N, n), _r(N, n, n))
     yield "clamped_swiglu_fwd", (_r(6, 8), _r(6, 8), 0.5)
@@ -41,7 +44,7 @@ def test_opcheck_every_triton_custom_op():
     for name, args in _cases():
         seen.add(name)
         torch.library.opcheck(getattr(torch.ops.dsv4, name).default, args)
-    assert seen == {n for n in dir(torch.ops.dsv4) if n.endswith("_fwd")}
+    assert seen >= {n for n in dir(torch.ops.dsv4) if n.endswith("_fwd")}
 
 
 def test_get_op_names_what_is_missing(monkeypatch):

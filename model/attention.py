@@ -201,11 +201,13 @@ class DSv4Attention(nn.Module):
             comp, eseg, ej = layout.gather_entries(*self.compressor(x, seg, pos, rope_pos, q0, backend=backend))
         mode = cfg.indexer_loss_mode
         selection = None
+        want_loss = self.indexer is not None and self.training and mode != "off" and cfg.indexer_loss_coeff != 0
         if self.indexer is not None:
-            scores, sel, iseg, ij = self.indexer(x.detach(), cq.detach(), ctx, layout, backend=backend)   # [T, N]
+            scores, sel, iseg, ij, feats = self.indexer(x.detach(), cq.detach(), ctx, layout, backend=backend,
+                                                        dense_grad=want_loss and mode == "dense",
+                                                        return_feats=True)                       # [T, N]
             selection = (sel, iseg, ij)
         use_sel = sel if (self.indexer is not None and mode != "dense") else None   # dense: all entries
-        want_loss = self.indexer is not None and self.training and mode != "off" and cfg.indexer_loss_coeff != 0
         listed = want_loss and use_sel is not None and cfg.indexer_teacher == "joint"   # teacher from the lse
         o = sparse_attn(q, kv, comp, use_sel, self.attn_sink, self.window, self.ratio or 1, self.scale,
                         seg, pos, eseg, ej, q0, return_lse=listed, backend=backend)     # [T, H, c]
@@ -214,16 +216,20 @@ class DSv4Attention(nn.Module):
         loss = None
         if want_loss:
             N = comp.shape[0]
-            if use_sel is None:     # dense: all visible entries
+            if use_sel is None:     # dense: all visible entries, the [T, N] scores
                 cand = causal_entry_mask(seg[q0:], pos[q0:], eseg, ej, self.ratio)    # [T, N]
-            else:
-                cand = candidates_from_idx(use_sel, N)                          # [T, N]
-            if listed:              # sparse + joint: the attention's own probabilities of its listed entries
-                target = indexer_teacher_listed(q, comp, use_sel, lse, self.ratio, self.scale, seg, pos, eseg, ej,
-                                                q0, backend=backend)
-            else:
                 target = indexer_teacher(q, kv, comp, cand, self.attn_sink, self.window, self.scale,
-                                         cfg.indexer_teacher, seg, pos, q0, idx=use_sel)
+                                         cfg.indexer_teacher, seg, pos, q0)
+            else:                   # sparse: the k listed entries, their scores re-formed ([T, k])
+                cand = use_sel >= 0                                             # [T, k]
+                if listed:          # joint: the attention's own probabilities of its listed entries
+                    target = indexer_teacher_listed(q, comp, use_sel, lse, self.ratio, self.scale, seg, pos, eseg,
+                                                    ej, q0, backend=backend)
+                else:
+                    target = indexer_teacher(q, kv, comp, candidates_from_idx(use_sel, N), self.attn_sink,
+                                             self.window, self.scale, cfg.indexer_teacher, seg, pos, q0,
+                                             idx=use_sel).gather(-1, torch.where(cand, use_sel, 0)) * cand
+                scores = self.indexer.listed_scores(feats, use_sel, backend=backend)   # [T, k]
             kl = cfg.indexer_loss_coeff * indexer_kl_loss(scores, target, cand)
             loss = (kl, cand.any(-1).sum().to(kl.dtype))                        # the mean and its query count
         return o, selection, loss

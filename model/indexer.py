@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4.kernels.indexer import indexer_scores, indexer_topk
+from dsv4.kernels.indexer import indexer_scores, indexer_scores_listed, indexer_topk
 from dsv4.kernels.sparse_attn import entry_probs
 from dsv4.kernels.sparse_attn.naive import window_keys
 
@@ -38,20 +38,29 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
         self.rope = rope
 
-    def forward(self, x: torch.Tensor, cq: torch.Tensor, ctx, layout, backend: str = "naive"):
+    def forward(self, x: torch.Tensor, cq: torch.Tensor, ctx, layout, backend: str = "naive",
+                dense_grad: bool = True, return_feats: bool = False):
         """x [T',d] the rows the layer sees (halo + local), cq [Tq,d_c] of the local queries (both already
         detached by the caller), ctx = (seg, pos, rope_pos, q_offset) of x's rows, layout (gathers the other
         ranks' entries) -> (scores I [Tq,N] fp32, selected idx [Tq,min(k,N)] long (-1 = none), entry_seg [N],
-        entry_j [N])."""
+        entry_j [N]; with return_feats also (qI, kI, w) for `listed_scores`). dense_grad=False: the [Tq,N] scores only pick the top-k
+        (no graph through them; the sparse-mode loss re-scores the k listed entries)."""
         seg, pos, rope_pos, q0 = ctx
         Tq = cq.shape[0]
         kI, eseg, ej = layout.gather_entries(*self.compressor(x, seg, pos, rope_pos, q0, backend=backend))
         q = self.wq_b(cq).view(Tq, self.n_heads, self.head_dim)                      # [Tq, n_I, c_I]
         q = self.rope(q, rope_pos[q0:])
         w = self.weights_proj(x[q0:])                                               # [Tq, n_I]
-        scores = indexer_scores(q, kI, w, self.ratio, seg[q0:], pos[q0:], eseg, ej, backend=backend)
+        with torch.set_grad_enabled(dense_grad and torch.is_grad_enabled()):
+            scores = indexer_scores(q, kI, w, self.ratio, seg[q0:], pos[q0:], eseg, ej, backend=backend)
         idx = indexer_topk(scores, self.topk, backend=backend)                      # [Tq, k]
-        return scores, idx, eseg, ej
+        return (scores, idx, eseg, ej, (q, kI, w)) if return_feats else (scores, idx, eseg, ej)
+
+    @staticmethod
+    def listed_scores(feats, idx: torch.Tensor, backend: str = "naive") -> torch.Tensor:
+        """The scores I at the listed entries idx [Tq,k] -> [Tq,k] fp32 (-inf at -1), differentiable."""
+        q, kI, w = feats
+        return indexer_scores_listed(q, kI, w, idx, backend=backend)
 
 
 def candidates_from_idx(idx: torch.Tensor, N: int) -> torch.Tensor:
@@ -128,14 +137,11 @@ def indexer_teacher_listed(q: torch.Tensor, comp: torch.Tensor, idx: torch.Tenso
                            scale: float, seg: torch.Tensor, pos: torch.Tensor, entry_seg: torch.Tensor,
                            entry_j: torch.Tensor, q_offset: int = 0, backend: str = "naive") -> torch.Tensor:
     """The "joint" teacher over the listed entries (sparse mode) from the attention's own log-sum-exp:
-    P[t,n] = sum_h exp(l[t,h,n] - lse[t,h]) at the listed entries n = idx[t,:], L1-normalised (== `indexer_teacher`
-    with teacher="joint", idx, whose Z[t,h] is this lse). lse [Tq,H] from `sparse_attn(..., return_lse=True)`, so
-    window keys and sink are not scored again; kernel op `entry_probs` -> P [Tq,N] fp32."""
-    Tq, N = q.shape[0], comp.shape[0]
-    p = entry_probs(q, comp, idx, lse, ratio, scale, seg, pos, entry_seg, entry_j, q_offset, backend=backend)
-    P = torch.zeros(Tq, N, dtype=p.dtype, device=q.device)
-    P.scatter_add_(-1, torch.where(idx >= 0, idx, 0), p)                           # [Tq, k] -> [Tq, N]
-    total = P.sum(dim=-1, keepdim=True)
+    P[t,j] = sum_h exp(l[t,h,idx[t,j]] - lse[t,h]), L1-normalised over j (== `indexer_teacher` with teacher="joint"
+    and idx, whose Z[t,h] is this lse, gathered at idx). lse [Tq,H] from `sparse_attn(..., return_lse=True)`, so
+    window keys and sink are not scored again; kernel op `entry_probs` -> P [Tq,k] fp32 (0 at -1)."""
+    P = entry_probs(q, comp, idx, lse, ratio, scale, seg, pos, entry_seg, entry_j, q_offset, backend=backend)
+    total = P.sum(dim=-1, keepdim=True)                                             # [Tq, k], 0 at -1
     return torch.where(total > 0, P / total.clamp_min(torch.finfo(P.dtype).tiny), torch.zeros_like(P))
 
 

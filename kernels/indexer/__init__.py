@@ -12,3 +12,8 @@ def indexer_scores(qI, kI, w, ratio: int, seg_q, pos_q, entry_seg, entry_j, back
 def indexer_topk(I, k: int, backend: str = "naive"):
     """I [Tq,N] -> idx [Tq,min(k,N)] long, -1 = not visible; ties -> lower index first."""
     return get_op("indexer_topk", backend, I.device)(I, k)
+
+
+def indexer_scores_listed(qI, kI, w, idx, backend: str = "naive"):
+    """The scores at the listed entries idx [Tq,k] -> [Tq,k] fp32 (-inf at -1). See `naive.indexer_scores_listed`."""
+    return get_op("indexer_scores_listed", backend, qI.device)(qI, kI, w, idx)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.kernels._varlen import clamp_rows
+
 
 def causal_entry_mask(seg_q: torch.Tensor, pos_q: torch.Tensor, entry_seg: torch.Tensor, entry_j: torch.Tensor,
                       ratio: int) -> torch.Tensor:
@@ -49,6 +51,18 @@ def indexer_scores(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: i
     dots = torch.einsum("thc,nc->thn", qI.to(dt), kI.to(dt))                   # [Tq, nI, N]
     I = torch.einsum("thn,th->tn", torch.relu(dots), w.to(dt) * nI ** -0.5) * cI ** -0.5
     return I.masked_fill(~causal_entry_mask(seg_q, pos_q, entry_seg, entry_j, ratio), float("-inf"))
+
+
+def indexer_scores_listed(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The scores of `indexer_scores` at the listed entries only (the sparse-mode indexer loss needs no others):
+    qI [Tq,nI,cI], kI [N,cI], w [Tq,nI], idx [Tq,k] (visible picks, -1 = none) -> I [Tq,k] fp32 (fp64 stays;
+    -inf at -1). Differentiable; memory [Tq,k,cI] (the reference; the "triton" backend computes it in query
+    chunks and recomputes them in backward)."""
+    nI, cI = qI.shape[-2:]
+    dt = torch.promote_types(qI.dtype, torch.float32)
+    dots = torch.einsum("thc,tkc->thk", qI.to(dt), kI[clamp_rows(idx)].to(dt))      # [Tq, nI, k]
+    I = torch.einsum("thk,th->tk", torch.relu(dots), w.to(dt) * nI ** -0.5) * cI ** -0.5
+    return I.masked_fill(idx < 0, float("-inf"))
 
 
 def indexer_topk(I: torch.Tensor, k: int) -> torch.Tensor:

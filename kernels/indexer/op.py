@@ -59,3 +59,77 @@ def indexer_scores(qI: Tensor, kI: Tensor, w: Tensor, ratio: int, seg_q: Tensor,
     """qI [Tq,nI,cI], kI [N,cI], w [Tq,nI], metadata -> I [Tq,N] fp32 (-inf where not visible), Triton custom op."""
     naive.check_scores_args(qI, kI, w, ratio, seg_q, pos_q, entry_seg, entry_j)
     return torch.ops.dsv4.indexer_scores_fwd(qI, kI, w, int(ratio), seg_q, pos_q, entry_seg, entry_j)
+
+
+
+# ------------------------------------------------------------------ scores at the listed entries (sparse-mode loss)
+# Plain PyTorch in query chunks (bf16 products on the tensor cores, fp32 ReLU-weighted sums), recomputed in
+# backward, registered as custom ops so the compiler sees one node and no [Tq,k,cI] gather is ever kept:
+#   dots[t,k,h] = kI[idx[t,k]] . qI[t,h];  I[t,k] = s * sum_h w[t,h] ReLU(dots[t,k,h]),  s = (nI cI)^-1/2
+#   dw[t,h] = s * sum_k dI[t,k] ReLU(dots);  dd = dI[t,k] s w[t,h] 1[dots > 0]
+#   dqI[t,h] = sum_k dd[t,k,h] kI[idx[t,k]];  dkI[idx[t,k]] += sum_h dd[t,k,h] qI[t,h]
+_CHUNK = 512                    # queries per chunk: [512, k=512, cI=128] bf16 = 64 MiB gathered at a time
+
+
+def _dots(qI, kI, idx):
+    K = kI[torch.where(idx >= 0, idx, 0)]                                       # [C, k, cI]
+    return K, torch.bmm(K, qI.transpose(1, 2).to(K.dtype)).float()              # [C, k, nI] fp32
+
+
+@torch.library.custom_op("dsv4::indexer_scores_listed_fwd", mutates_args=())
+def indexer_scores_listed_fwd(qI: Tensor, kI: Tensor, w: Tensor, idx: Tensor) -> Tensor:
+    nI, cI = qI.shape[-2:]
+    out = torch.empty(idx.shape, device=qI.device, dtype=torch.float32)
+    for a in range(0, idx.shape[0], _CHUNK):
+        e = min(a + _CHUNK, idx.shape[0])
+        _, d = _dots(qI[a:e], kI, idx[a:e])
+        out[a:e] = torch.bmm(torch.relu(d), w[a:e, :, None].float()).squeeze(-1) * (nI * cI) ** -0.5
+    return out.masked_fill_(idx < 0, float("-inf"))
+
+
+@indexer_scores_listed_fwd.register_fake
+def _(qI, kI, w, idx):
+    return qI.new_empty(idx.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("dsv4::indexer_scores_listed_bwd", mutates_args=())
+def indexer_scores_listed_bwd(dI: Tensor, qI: Tensor, kI: Tensor, w: Tensor, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    nI, cI = qI.shape[-2:]
+    s = (nI * cI) ** -0.5
+    dq = torch.empty(qI.shape, device=qI.device, dtype=torch.float32)
+    dw = torch.empty(w.shape, device=qI.device, dtype=torch.float32)
+    dk = torch.zeros(kI.shape, device=qI.device, dtype=torch.float32)
+    dI = torch.where(idx >= 0, dI, torch.zeros_like(dI)).float()
+    for a in range(0, idx.shape[0], _CHUNK):
+        e = min(a + _CHUNK, idx.shape[0])
+        K, d = _dots(qI[a:e], kI, idx[a:e])                                       # [C,k,cI], [C,k,nI]
+        g = dI[a:e, :, None]                                                      # [C, k, 1]
+        dw[a:e] = (g * torch.relu(d)).sum(1) * s                                  # [C, nI]
+        dd = (g * w[a:e, None, :].float() * s) * (d > 0)                          # [C, k, nI]
+        dq[a:e] = torch.bmm(dd.transpose(1, 2).to(K.dtype), K).float()           # [C, nI, cI]
+        dks = torch.bmm(dd.to(K.dtype), qI[a:e].to(K.dtype)).float()             # [C, k, cI]
+        dk.index_add_(0, torch.where(idx[a:e] >= 0, idx[a:e], 0).flatten(), dks.flatten(0, 1))
+    return dq.to(qI.dtype), dk.to(kI.dtype), dw.to(w.dtype)
+
+
+@indexer_scores_listed_bwd.register_fake
+def _(dI, qI, kI, w, idx):
+    return qI.new_empty(qI.shape), kI.new_empty(kI.shape), w.new_empty(w.shape)
+
+
+def _setup_listed(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward_listed(ctx, dI):
+    qI, kI, w, idx = ctx.saved_tensors
+    dq, dk, dw = torch.ops.dsv4.indexer_scores_listed_bwd(dI, qI, kI, w, idx)
+    return dq, dk, dw, None
+
+
+indexer_scores_listed_fwd.register_autograd(_backward_listed, setup_context=_setup_listed)
+
+
+def indexer_scores_listed(qI: Tensor, kI: Tensor, w: Tensor, idx: Tensor) -> Tensor:
+    """`naive.indexer_scores_listed` in query chunks with recompute (custom op; any device)."""
+    return torch.ops.dsv4.indexer_scores_listed_fwd(qI, kI, w, idx)
