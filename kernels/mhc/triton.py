@@ -84,15 +84,15 @@ def _mm(a, b, acc, EXACT: tl.constexpr, IEEE: tl.constexpr):
 
 # ------------------------------------------------------------------------------------------ hc_pre fwd
 _SPLIT_MAX = 8
-_PROJ = configs(gpu=[dict(BM=64, BK=128, SPLIT=4, num_warps=4, num_stages=3),
-                     dict(BM=64, BK=128, SPLIT=8, num_warps=4, num_stages=3),
+# tiles of 32 fp32 elements per thread (x [BM, BK] upcast for the TF32 dot; 4 warps: 4096, 8 warps: 8192)
+_PROJ = configs(gpu=[dict(BM=64, BK=64, SPLIT=4, num_warps=4, num_stages=3),
                      dict(BM=64, BK=64, SPLIT=8, num_warps=4, num_stages=4),
+                     dict(BM=128, BK=32, SPLIT=4, num_warps=4, num_stages=4),
+                     dict(BM=64, BK=128, SPLIT=4, num_warps=8, num_stages=3),
                      dict(BM=128, BK=64, SPLIT=4, num_warps=8, num_stages=3),
                      dict(BM=128, BK=64, SPLIT=8, num_warps=8, num_stages=4),
-                     dict(BM=128, BK=128, SPLIT=2, num_warps=8, num_stages=3),
-                     dict(BM=128, BK=128, SPLIT=4, num_warps=8, num_stages=3),
-                     dict(BM=256, BK=64, SPLIT=2, num_warps=8, num_stages=3),
-                     dict(BM=256, BK=64, SPLIT=4, num_warps=8, num_stages=3)],
+                     dict(BM=256, BK=32, SPLIT=2, num_warps=8, num_stages=4),
+                     dict(BM=256, BK=32, SPLIT=4, num_warps=8, num_stages=4)],
                 cpu=dict(BM=16, BK=32, SPLIT=2), prune=_small(lambda a: a["K"]))
 
 
@@ -197,9 +197,9 @@ def _pre_agg(X, PRE, U, N, D, NK, NS: tl.constexpr, NP: tl.constexpr, BM: tl.con
 
 
 # ------------------------------------------------------------------------------------------ hc_pre bwd
-_DPRE = configs(gpu=[dict(BM=4, BD=256, num_warps=4, num_stages=2), dict(BM=8, BD=256, num_warps=4, num_stages=3),
+_DPRE = configs(gpu=[dict(BM=4, BD=256, num_warps=4, num_stages=2), dict(BM=8, BD=256, num_warps=8, num_stages=3),
                      dict(BM=8, BD=128, num_warps=4, num_stages=3), dict(BM=16, BD=128, num_warps=8, num_stages=2),
-                     dict(BM=4, BD=512, num_warps=8, num_stages=2), dict(BM=16, BD=256, num_warps=8, num_stages=2)],
+                     dict(BM=4, BD=512, num_warps=8, num_stages=2), dict(BM=8, BD=256, num_warps=8, num_stages=2)],
                 cpu=dict(BM=4, BD=16), prune=_small(lambda a: a["D"] * a["NS"]))
 
 
@@ -290,14 +290,14 @@ def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH, CX, N, K, R
 
 
 _DX_SPLIT_MAX = 16
-_DX = configs(gpu=[dict(BD=32, BM=64, NSPLIT=8, num_warps=4, num_stages=3),
-                   dict(BD=32, BM=64, NSPLIT=16, num_warps=4, num_stages=3),
+# [BM, n·BD] tiles (x, du, pre, dx) and fn [RP, n·BD] / dfnᵀ at 32 fp32 elements per thread
+_DX = configs(gpu=[dict(BD=32, BM=32, NSPLIT=8, num_warps=4, num_stages=3),
                    dict(BD=32, BM=32, NSPLIT=16, num_warps=4, num_stages=3),
+                   dict(BD=32, BM=32, NSPLIT=16, num_warps=4, num_stages=2),
+                   dict(BD=32, BM=64, NSPLIT=8, num_warps=8, num_stages=3),
+                   dict(BD=32, BM=64, NSPLIT=16, num_warps=8, num_stages=2),
                    dict(BD=64, BM=32, NSPLIT=8, num_warps=8, num_stages=3),
-                   dict(BD=64, BM=32, NSPLIT=16, num_warps=8, num_stages=3),
-                   dict(BD=64, BM=64, NSPLIT=4, num_warps=8, num_stages=2),
-                   dict(BD=64, BM=64, NSPLIT=8, num_warps=8, num_stages=2),
-                   dict(BD=32, BM=64, NSPLIT=4, num_warps=4, num_stages=3)],
+                   dict(BD=64, BM=32, NSPLIT=16, num_warps=8, num_stages=2)],
               cpu=dict(BD=8, BM=16, NSPLIT=2), prune=_small(lambda a: a["K"]))
 
 
