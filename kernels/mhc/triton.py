@@ -6,8 +6,8 @@ Byte counts below: X = N·n·d·2 (x in bf16), U = N·d·2, for n = 4, d = 4096 
 
 hc_pre forward, three kernels, 2X + U of HBM traffic:
   1. `_proj` (split-K): grid (token blocks of BM, SPLIT contiguous ranges of K = n·d); each program streams its
-     [BM, K/SPLIT] slice of x once and writes partial x·fnᵀ [BM, RP] and Σx² [BM] (SPLIT·N·(RP+1)·4 bytes in all,
-     < 2% of X). fn [RP, BK] tiles come from L2 (1.5 MiB in all; 48/BM of the x bytes per program). Precision:
+     [BM, K/SPLIT] slice of x once and writes partial x·fnᵀ [BM, RP] and Σx² [BM] (SPLIT·N·(RP+1)·4 bytes in
+     all, < 2% of X). fn [RP, BK] tiles come from L2 (1.5 MiB in all; 48/BM of the x bytes per program). Precision:
      x in bf16 is exact in TF32, so x·fnᵀ = x·fn_hi + x·fn_lo in two TF32 passes (fn_lo = the TF32 remainder)
      gives ~fp32 accuracy; fp32 x uses 3xTF32.
   2. `_pre_map`: per block of tokens the fixed-order split-K reduction, r = rsqrt(mean(x²)+eps), mix, the
