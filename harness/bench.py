@@ -7,11 +7,15 @@ Per op (shapes = DSv4-Flash where the op has them; B = 1):
                Peer: dense causal `scaled_dot_product_attention` (flash/efficient/cuDNN backends, no math
                fallback), same H and c, at the same S; the naive path at the smallest S only (O(S²) memory).
   indexer      nI=64, cI=128, ratio 4: scoring fwd/bwd TFLOP/s over causal (t, j) pairs; top-k k=512.
-  compressor   CSA D=512 (overlap) / indexer D=128 (overlap) / HCA D=512 (ratio 128): TB/s.
-  mhc          N tokens x n=4 x d=4096 bf16: hc_pre / hc_post fwd and bwd, TB/s over the minimal bytes.
+  compressor   CSA D=512 (overlap) / indexer D=128 (overlap) / HCA D=512 (ratio 128) at T in --tokens, bf16,
+               packed API (slot metadata included): TB/s over `COMPRESSOR_BYTES`; the naive path as a peer.
+  mhc          N in --tokens x n=4 x d=4096 bf16: hc_pre / hc_post fwd and bwd, TB/s over `MHC_BYTES` (the
+               minimal bytes); the naive path as a peer in every row; the autotuned configs recorded.
   swiglu       [65536, 2048] bf16: TB/s.
 Timing: `triton.testing.do_bench` (median, L2 flushed between runs); dense SDPA at S >= 32K: CUDA events,
 1 warm-up + 2 runs (a run takes seconds). Results carry provenance: git sha, torch/triton versions, GPU.
+`--smoke`: tiny sizes of compressor / mhc / swiglu, on CPU (Triton's interpreter) when no GPU is visible, one
+timed call each: checks that this code runs end to end, the numbers mean nothing.
 """
 from __future__ import annotations
 
@@ -41,7 +45,8 @@ def _provenance():
     if len(sha) != 40 or any(ch not in "0123456789abcdef" for ch in sha):
         sha = os.environ.get("DSV4_GIT_SHA", "unknown")
     return {"git_sha": sha, "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(),
+            "triton": triton.__version__, "cuda": torch.version.cuda,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu, --smoke)",
             "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "timing": "triton.testing.do_bench median, L2 flushed (dense SDPA >= 32K: events, 1 warm-up + 2)"}
 
@@ -237,89 +242,159 @@ def _bench_indexer(seqs, log):
 
 
 # ------------------------------------------------------------------------------------------------- compressor
-def _bench_compressor(S, log):
+def _timer(dev):
+    """Median ms of a callable: `do_bench` (L2 flushed) on CUDA; on CPU (--smoke) one warm-up + one timed call."""
+    if dev == "cuda":
+        return _ms
+
+    def cpu_ms(fn, rep=None):
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return cpu_ms
+
+
+def _fwd_bwd_on(dev, f, inputs, rep=60):
+    """`_fwd_bwd` with the device's timer."""
+    import torch
+    ms = _timer(dev)
+    fwd = ms(lambda: f(), rep)
+    out = f()
+    outs = out if isinstance(out, tuple) else (out,)
+    douts = [torch.randn_like(o) for o in outs]
+    bwd = ms(lambda: torch.autograd.grad(outs, inputs, douts, retain_graph=True), rep)
+    return fwd, bwd
+
+
+def _best(kernel):
+    cfg = getattr(kernel, "best_config", None)
+    return None if cfg is None else str(cfg)
+
+
+COMPRESSOR_BYTES = ("T tokens, W = coff*D channels, N = T/m entries, bf16: fwd 2*T*W*2 (kv + gate, each element "
+                    "read once) + N*D*2 (out); bwd 4*T*W*2 (kv + gate read, dkv + dgate written) + N*D*2 (dout)")
+
+
+def _bench_compressor(tokens, dev, log, smoke=False):
     import torch
 
     from dsv4.kernels.compressor import compress_pool
-    gen = torch.Generator(device="cuda").manual_seed(2)
+    from dsv4.kernels.compressor import triton as tri
+    gen = torch.Generator(device=dev).manual_seed(2)
+    cases = [("csa_main", 512, 4, True), ("csa_indexer", 128, 4, True), ("hca_main", 512, 128, False)]
+    if smoke:
+        cases = [("csa_main", 16, 4, True), ("hca_main", 16, 8, False)]
     rows = []
-    for name, D, m, ov in [("csa_main", 512, 4, True), ("csa_indexer", 128, 4, True), ("hca_main", 512, 128, False)]:
-        W = 2 * D if ov else D
-        kv = torch.randn(S, 1, W, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
-        g = torch.randn(S, 1, W, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
-        ape = torch.randn(m, W, device="cuda", generator=gen).requires_grad_()
-        row = {"case": name, "S": S, "D": D, "ratio": m, "overlap": ov}
-        seg, pos = torch.zeros(S, dtype=torch.long, device="cuda"), torch.arange(S, device="cuda")   # one document
-        by_f = 2 * S * W * 2 + (S // m) * D * 2
-        by_b = 4 * S * W * 2 + (S // m) * D * 2
-        for backend in ("triton", "naive"):
-            try:
-                f, b = _fwd_bwd(lambda: compress_pool(kv[:, 0], g[:, 0], ape, m, ov, seg, pos, backend=backend)[0],
-                                [kv, g, ape])
-                row[backend] = {"fwd_ms": f, "bwd_ms": b, "fwd_tbps": by_f / f * 1e-9, "bwd_tbps": by_b / b * 1e-9}
-            except Exception as e:  # noqa: BLE001
-                row[backend] = _err(repr(e))
-        log(row)
-        rows.append(row)
-    return {"rows": rows, "bytes": "fwd: read kv+gate, write out; bwd: read kv+gate(+dout), write dkv+dgate"}
+    for S in tokens:
+        for name, D, m, ov in cases:
+            W = 2 * D if ov else D
+            dt = torch.bfloat16
+            kv = torch.randn(S, W, device=dev, generator=gen, dtype=dt).requires_grad_()
+            g = torch.randn(S, W, device=dev, generator=gen, dtype=dt).requires_grad_()
+            ape = torch.randn(m, W, device=dev, generator=gen).requires_grad_()
+            row = {"case": name, "S": S, "D": D, "ratio": m, "overlap": ov}
+            seg, pos = torch.zeros(S, dtype=torch.long, device=dev), torch.arange(S, device=dev)   # one document
+            by_f = 2 * S * W * 2 + (S // m) * D * 2
+            by_b = 4 * S * W * 2 + (S // m) * D * 2
+            row["bytes_fwd"], row["bytes_bwd"] = by_f, by_b
+            for backend in ("triton", "naive"):
+                try:
+                    f, b = _fwd_bwd_on(dev, lambda: compress_pool(kv, g, ape, m, ov, seg, pos, backend=backend)[0],
+                                       [kv, g, ape])
+                    row[backend] = {"fwd_ms": f, "bwd_ms": b, "fwd_tbps": by_f / f * 1e-9, "bwd_tbps": by_b / b * 1e-9}
+                    if backend == "triton":
+                        row[backend].update(fwd_config=_best(tri._pool_fwd), bwd_config=_best(tri._pool_bwd))
+                except Exception as e:  # noqa: BLE001
+                    row[backend] = _err(repr(e))
+            if "fwd_ms" in row["triton"] and "fwd_ms" in row["naive"]:
+                row["speedup_vs_naive"] = {"fwd": row["naive"]["fwd_ms"] / row["triton"]["fwd_ms"],
+                                           "bwd": row["naive"]["bwd_ms"] / row["triton"]["bwd_ms"]}
+            log(row)
+            rows.append(row)
+            del kv, g, ape
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    return {"rows": rows, "bytes": COMPRESSOR_BYTES, "targets_tbps": {"fwd": 2.5}}
 
 
 # ------------------------------------------------------------------------------------------------------- mhc
-def _bench_mhc(N, log):
+MHC_BYTES = ("X = N*n*d*2 (the bf16 streams), U = N*d*2: hc_pre fwd 2X + U (x read by the split-K projection and "
+             "by the aggregate, u written); hc_pre bwd 3X + 2U (x and du read by dpre, x and du read and dx written "
+             "by dx/dfn); hc_post fwd 2X + U (x, out read, y written); hc_post bwd 3X + 2U (dy, x, out read, dx, "
+             "dout written); the small per-token tensors (post, comb, mix, partials) are not counted")
+
+
+def _bench_mhc(tokens, dev, log, smoke=False):
     import torch
 
     from dsv4.kernels.mhc import hc_post, hc_pre
-    n, d = 4, 4096
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    x = torch.randn(N, n, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
-    fn = (torch.randn((2 + n) * n, n * d, device="cuda", generator=gen) * 0.01).requires_grad_()
-    base = torch.zeros((2 + n) * n, device="cuda").requires_grad_()
-    scale = torch.ones(3, device="cuda").requires_grad_()
-    out = torch.randn(N, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
-    post = torch.rand(N, n, device="cuda", generator=gen).requires_grad_()
-    comb = torch.rand(N, n, n, device="cuda", generator=gen).requires_grad_()
-    X, U = N * n * d * 2, N * d * 2
+    from dsv4.kernels.mhc import triton as tri
+    n, d = (4, 64) if smoke else (4, 4096)
     rows = []
-    for backend in ("triton", "naive"):
-        row = {"backend": backend, "N": N, "n": n, "d": d}
-        try:
-            f, b = _fwd_bwd(lambda: hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6, backend=backend), [x, fn, base, scale])
-            row["hc_pre"] = {"fwd_ms": f, "bwd_ms": b, "fwd_tbps": (2 * X + U) / f * 1e-9,
-                             "bwd_tbps": (3 * X + 2 * U) / b * 1e-9}
-            f, b = _fwd_bwd(lambda: hc_post(x, out, post, comb, backend=backend), [x, out, post, comb])
-            row["hc_post"] = {"fwd_ms": f, "bwd_ms": b, "fwd_tbps": (2 * X + U) / f * 1e-9,
-                              "bwd_tbps": (3 * X + 2 * U) / b * 1e-9}
-            if backend == "triton":   # breakdown: the RMS+projection kernel alone (one read of x)
-                from dsv4.kernels.mhc import triton as tri
-                with torch.no_grad():
-                    p = _ms(lambda: tri._project(x, fn.detach(), 1e-6))
-                row["hc_pre"]["proj_only_ms"], row["hc_pre"]["proj_only_tbps"] = p, X / p * 1e-9
-        except Exception as e:  # noqa: BLE001
-            row["error"] = repr(e)[:500]
-        log(row)
-        rows.append(row)
-    return {"rows": rows, "bytes": "pre fwd: 2 reads of x + write u; post fwd: read x + out, write y; "
-                                   "bwd: 3 x-sized + 2 u-sized transfers", "targets_tbps": {"fwd": 3.7, "bwd": 3.4}}
+    for N in tokens:
+        gen = torch.Generator(device=dev).manual_seed(3)
+        x = torch.randn(N, n, d, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
+        fn = (torch.randn((2 + n) * n, n * d, device=dev, generator=gen) * 0.01).requires_grad_()
+        base = torch.zeros((2 + n) * n, device=dev).requires_grad_()
+        scale = torch.ones(3, device=dev).requires_grad_()
+        out = torch.randn(N, d, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
+        post = torch.rand(N, n, device=dev, generator=gen).requires_grad_()
+        comb = torch.rand(N, n, n, device=dev, generator=gen).requires_grad_()
+        X, U = N * n * d * 2, N * d * 2
+        for backend in ("triton", "naive"):
+            row = {"backend": backend, "N": N, "n": n, "d": d, "bytes": {"fwd": 2 * X + U, "bwd": 3 * X + 2 * U}}
+            try:
+                f, b = _fwd_bwd_on(dev, lambda: hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6, backend=backend),
+                                   [x, fn, base, scale])
+                row["hc_pre"] = {"fwd_ms": f, "bwd_ms": b, "fwd_tbps": (2 * X + U) / f * 1e-9,
+                                 "bwd_tbps": (3 * X + 2 * U) / b * 1e-9}
+                if backend == "triton":   # breakdown: the split-K projection + small map alone (one read of x)
+                    with torch.no_grad():
+                        p = _timer(dev)(lambda: tri._project(x, fn.detach(), 1e-6))
+                    row["hc_pre"].update(proj_only_ms=p, proj_only_tbps=X / p * 1e-9,
+                                         configs={k: _best(getattr(tri, k)) for k in
+                                                  ("_proj", "_pre_agg", "_pre_bwd_dpre", "_pre_bwd_dx")})
+            except Exception as e:  # noqa: BLE001
+                row["hc_pre"] = _err(repr(e))
+            try:
+                f, b = _fwd_bwd_on(dev, lambda: hc_post(x, out, post, comb, backend=backend), [x, out, post, comb])
+                row["hc_post"] = {"fwd_ms": f, "bwd_ms": b, "fwd_tbps": (2 * X + U) / f * 1e-9,
+                                  "bwd_tbps": (3 * X + 2 * U) / b * 1e-9}
+                if backend == "triton":
+                    row["hc_post"]["configs"] = {k: _best(getattr(tri, k)) for k in ("_post_fwd", "_post_bwd")}
+            except Exception as e:  # noqa: BLE001
+                row["hc_post"] = _err(repr(e))
+            log(row)
+            rows.append(row)
+        del x, fn, base, scale, out, post, comb
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return {"rows": rows, "bytes": MHC_BYTES,
+            "targets_tbps": {"hc_pre_fwd": 3.0, "hc_pre_bwd": 2.5, "hc_post_bwd": 2.5}}
 
 
 # ---------------------------------------------------------------------------------------------------- swiglu
-def _bench_swiglu(log):
+def _bench_swiglu(log, dev="cuda", smoke=False):
     import torch
 
     from dsv4.kernels.swiglu import clamped_swiglu
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    shape = (65536, 2048)
-    g = torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16).mul(4).requires_grad_()
-    u = torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16).mul(4).requires_grad_()
+    gen = torch.Generator(device=dev).manual_seed(4)
+    shape = (64, 32) if smoke else (65536, 2048)
+    g = torch.randn(shape, device=dev, generator=gen, dtype=torch.bfloat16).mul(4).requires_grad_()
+    u = torch.randn(shape, device=dev, generator=gen, dtype=torch.bfloat16).mul(4).requires_grad_()
     E = g.numel() * 2
     rows = []
     for backend in ("triton", "naive"):
-        f, b = _fwd_bwd(lambda: clamped_swiglu(g, u, 10.0, backend=backend), [g, u])
+        f, b = _fwd_bwd_on(dev, lambda: clamped_swiglu(g, u, 10.0, backend=backend), [g, u])
         row = {"backend": backend, "shape": list(shape), "fwd_ms": f, "bwd_ms": b, "fwd_tbps": 3 * E / f * 1e-9,
                "bwd_tbps": 5 * E / b * 1e-9}
         log(row)
         rows.append(row)
     return {"rows": rows, "bytes": "fwd: read gate+up, write y; bwd: read gate+up+dy, write dgate+dup"}
+
+
+SMOKE_OPS = ("compressor", "mhc", "swiglu")
 
 
 @click.command("kernels")
@@ -329,28 +404,44 @@ def _bench_swiglu(log):
               help="Also write <dir>/<slice>/bench_kernels.json per slice (D3: attention ops, P2: mHC, P5: SwiGLU).")
 @click.option("--only", default=",".join(OPS), show_default=True, help="Comma list of ops.")
 @click.option("--seqs", default="4096,16384,65536", show_default=True, help="Sparse-attention sequence lengths.")
+@click.option("--tokens", default="16384,65536", show_default=True, help="Compressor / mHC token counts.")
 @click.option("--dense-peer/--no-dense-peer", default=True, help="Time dense causal SDPA at the same lengths.")
 @click.option("--isolate", is_flag=True, help="Each op in its own process (a CUDA fault does not poison the rest).")
-def bench_cmd(as_json, out, out_dir, only, seqs, dense_peer, isolate):
+@click.option("--smoke", is_flag=True, help="Tiny compressor / mhc / swiglu sizes; runs on CPU (interpreter).")
+def bench_cmd(as_json, out, out_dir, only, seqs, tokens, dense_peer, isolate, smoke):
     """Triton kernels vs naive vs peers on one GPU (H200); JSON with provenance."""
     import tempfile
 
     from dsv4.harness.errors import BadInput, need_cuda
     from dsv4.harness.goldens import atomic_write_text
-    need_cuda("dsv4 bench kernels")
     ops = [o for o in only.split(",") if o]
     bad = sorted(set(ops) - set(OPS))
     if bad:
         raise BadInput(f"--only: unknown op {bad[0]!r}; known: {', '.join(OPS)}")
-    seq = [int(s) for s in seqs.split(",")]
+    try:
+        seq = [int(x) for x in seqs.split(",")]
+        toks = [int(x) for x in tokens.split(",")]
+    except ValueError:
+        raise BadInput(f"--seqs / --tokens: comma lists of integers, got {seqs!r} / {tokens!r}") from None
+    import torch
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if smoke:
+        toks = [37]
+        if dev == "cpu":                             # before any kernels/*/triton.py is imported
+            os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        need_cuda("dsv4 bench kernels")
     log = lambda r: print(json.dumps(r), file=sys.stderr, flush=True)
     res = {"provenance": _provenance(), "ops": {}}
+    if smoke:
+        res["provenance"]["smoke"] = f"tiny sizes on {dev}: the numbers mean nothing"
     for op in ops:
         t0 = time.time()
         if isolate:
             with tempfile.TemporaryDirectory() as tmp:
                 f = Path(tmp) / "r.json"
-                args = ["--only", op, "--seqs", seqs, "--out", str(f)] + ([] if dense_peer else ["--no-dense-peer"])
+                args = ["--only", op, "--seqs", seqs, "--tokens", tokens, "--out", str(f)] + \
+                    ([] if dense_peer else ["--no-dense-peer"]) + (["--smoke"] if smoke else [])
                 rc = subprocess.run([sys.executable, "-c", "from dsv4.harness.bench import bench_cmd; bench_cmd()",
                                      *args]).returncode
                 r = json.loads(f.read_text())["ops"][op] if f.exists() else _err(f"subprocess rc={rc}")
@@ -358,16 +449,18 @@ def bench_cmd(as_json, out, out_dir, only, seqs, dense_peer, isolate):
             print(f"[bench] {op} done in {time.time() - t0:.1f}s (isolated)", file=sys.stderr, flush=True)
             continue
         try:
-            if op == "sparse_attn":
+            if smoke and op not in SMOKE_OPS:
+                r = {"skipped": f"--smoke covers {', '.join(SMOKE_OPS)}"}
+            elif op == "sparse_attn":
                 r = _bench_sparse_attn(seq, dense_peer, log)
             elif op == "indexer":
                 r = _bench_indexer([s for s in seq if s <= 16384] or seq[:1], log)
             elif op == "compressor":
-                r = _bench_compressor(65536, log)
+                r = _bench_compressor(toks, dev, log, smoke)
             elif op == "mhc":
-                r = _bench_mhc(16384, log)
+                r = _bench_mhc(toks, dev, log, smoke)
             else:
-                r = _bench_swiglu(log)
+                r = _bench_swiglu(log, dev, smoke)
         except Exception as e:  # noqa: BLE001
             r = _err(repr(e))
         r["wall_s"] = time.time() - t0

@@ -4,10 +4,12 @@ from __future__ import annotations
 import triton
 
 
-def configs(gpu: list[dict], cpu: dict, **meta) -> dict:
+def configs(gpu: list[dict], cpu: dict, prune=None, **meta) -> dict:
     """Autotune arguments `@triton.autotune(**configs(...), key=...)`: all configs (the `gpu` list and the single
     `cpu` one), and an early prune that picks by the launch's tensor device at call time (`on_cpu`): CPU
-    tensors (Triton's interpreter) get the one `cpu` config (no benchmarking), CUDA tensors the `gpu` list.
+    tensors (Triton's interpreter) get the one `cpu` config (no benchmarking), CUDA tensors the `gpu` list,
+    narrowed by `prune(configs, launch_args) -> configs` when given (e.g. a tile-size budget that depends on a
+    constexpr of the launch, or one config for a problem too small to tune; at least one must survive).
 
     Each dict holds the kernel's block sizes plus optional `num_warps` / `num_stages`."""
     def make(c):
@@ -19,9 +21,22 @@ def configs(gpu: list[dict], cpu: dict, **meta) -> dict:
 
     def by_device(configs, named_args, **kwargs):
         t = next((v for v in named_args.values() if hasattr(v, "device")), None)
-        return cpu_cfgs if t is not None and on_cpu(t) else gpu_cfgs
+        if t is not None and on_cpu(t):
+            return cpu_cfgs
+        if prune is None:
+            return gpu_cfgs
+        kept = prune(gpu_cfgs, {**named_args, **kwargs})
+        if not kept:
+            raise ValueError(f"autotune prune left no config for {sorted(kwargs)}")
+        return kept
 
     return {"configs": gpu_cfgs + cpu_cfgs, "prune_configs_by": {"early_config_prune": by_device}}
+
+
+def tuned(kernel, name: str):
+    """The value of meta-parameter `name` in the config the autotuned `kernel` used at its LAST launch (for
+    launch code whose follow-up depends on it: how many split-K partials to reduce)."""
+    return kernel.best_config.kwargs[name]
 
 
 def pow2(n: int, lo: int = 16) -> int:

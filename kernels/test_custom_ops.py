@@ -28,7 +28,11 @@ def _cases():
     yield "sparse_attn_fwd", (_r(S, H, c), _r(S, c), _r(S // ratio, c), idx, _r(H), seg, pos, eseg, ej, 4, ratio,
                               0.25, 0)
     yield "sparse_attn_fwd", (_r(S, H, c), _r(S, c), None, None, _r(H), seg, pos, None, None, 4, 0, 0.25, 0)
-    yield "compress_pool_fwd", (_r(8, B, 2 * c), _r(8, B, 2 * c), _r(4, 2 * c), 4, True)
+    cseg = torch.tensor([0] * 6 + [-1] + [1] * 5, device=DEV)                              # 2 documents + padding
+    cpos = torch.tensor([0, 1, 2, 3, 4, 5, 0, 0, 1, 2, 3, 4], device=DEV)
+    yield "compress_slots_fwd", (cseg, cpos, 2, True, 0)
+    ends, eseg, ej, r0, hp = torch.ops.dsv4.compress_slots_fwd(cseg, cpos, 2, True, 0)
+    yield "compress_pool_fwd", (_r(12, 2 * c), _r(12, 2 * c), _r(2, 2 * c), r0, hp, cpos, 2, True, 0)
     yield "indexer_scores_fwd", (_r(S, 2, c), _r(S // ratio, c), _r(S, 2), ratio, seg, pos, eseg, ej)
     yield "indexer_scores_listed_fwd", (_r(S, 2, c), _r(S // ratio, c), _r(S, 2), idx)
     yield "sparse_attn_entry_probs", (_r(S, H, c, grad=False), _r(S // ratio, c, grad=False), idx,

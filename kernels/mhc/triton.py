@@ -2,17 +2,30 @@
 
 Same contract as `naive` (N tokens, n streams, d hidden; fn [(2+n)n, n*d] rows pre | post | comb):
 
-hc_pre forward, two kernels:
-  1. `_proj`: per block of BM tokens, one pass over x [BM, n*d] in BK chunks: mix = (x·fnᵀ)·rsqrt(mean(x²)+eps)
-     (the RMS sum of squares and the projection share the read; tensor-core dot in 3×TF32, ~fp32 accuracy).
-  2. `_pre`: per block of tokens: pre/post sigmoids and the Sinkhorn iterations on [BM, n, n] in registers,
-     then the aggregate u = Σ_j pre_j X_j streamed over d (second read of x).
-hc_pre backward: one Triton kernel per token block reduces dpre = Σ_d du·X_j and back-propagates the small map
-  mix -> (pre, post, comb) in registers (sigmoids; the Sinkhorn steps by RECOMPUTATION of the forward up to each
-  step, O(iters²) on [n, n], nothing stored); dx = dh·fn + c·x + pre ⊗ du in a second Triton kernel
-  (dh = dmix·r, c = -r²/(nd)·Σ dmix·mix); dfn = dhᵀ·x by cuBLAS (fp32); dbase/dscale are PyTorch sums.
-hc_post: one kernel each way, per (block of tokens, block of channels); the backward writes dpost / dcomb
-  partial sums per channel block (summed by PyTorch; deterministic, no atomics).
+Byte counts below: X = N·n·d·2 (x in bf16), U = N·d·2, for n = 4, d = 4096 at 16K tokens X = 512 MiB.
+
+hc_pre forward, three kernels, 2X + U of HBM traffic:
+  1. `_proj` (split-K): grid (token blocks of BM, SPLIT contiguous ranges of K = n·d); each program streams its
+     [BM, K/SPLIT] slice of x once and writes partial x·fnᵀ [BM, RP] and Σx² [BM] (SPLIT·N·(RP+1)·4 bytes in
+     all, < 2% of X). fn [RP, BK] tiles come from L2 (1.5 MiB in all; 48/BM of the x bytes per program). Precision:
+     x in bf16 is exact in TF32, so x·fnᵀ = x·fn_hi + x·fn_lo in two TF32 passes (fn_lo = the TF32 remainder)
+     gives ~fp32 accuracy; fp32 x uses 3xTF32.
+  2. `_pre_map`: per block of tokens the fixed-order split-K reduction, r = rsqrt(mean(x²)+eps), mix, the
+     pre / post sigmoids and the Sinkhorn iterations on [BM, n, n] in registers (reads SPLIT partials).
+  3. `_pre_agg`: grid (token blocks, channel blocks): u = Σ_j pre_j X_j (the second read of x, the write of u).
+hc_pre backward, three kernels, 3X + 2U:
+  1. `_pre_bwd_dpre`: dpre = Σ_d du·X_j streamed over d (X + U).
+  2. `_pre_bwd_map`: the backward of the small map (sigmoids; the Sinkhorn steps by RECOMPUTATION of the
+     forward up to each step, O(iters²) on [n, n], nothing stored), dh = dmix·r, cx = -r²/(nd)·Σ dmix·mix.
+  3. `_pre_bwd_dx`: grid (channel blocks of BD, NSPLIT token ranges); a program owns the columns of its channel
+     block in ALL n streams (du read once for them) and keeps its fn tile [RP, n·BD] in registers while it walks
+     its tokens: dx = dh·fn + cx·x + pre ⊗ du (reads x and du, writes dx: 2X + U), and dfnᵀ += xᵀ·dh into a
+     per-split partial [K, RP] (NSPLIT·K·RP·4 bytes: ≤ 32 MiB, summed by PyTorch) -- no second pass over x and no
+     fp32 copy of x for a cuBLAS dfn. dbase / dscale are PyTorch sums over dz [N, RP].
+hc_post: one kernel each way, per (block of tokens, block of channels), 2X + U forward, 3X + 2U backward; the
+  backward writes dpost / dcomb partial sums per channel block (summed by PyTorch; deterministic, no atomics).
+Every streaming kernel is autotuned over block sizes / warps / stages (and SPLIT / NSPLIT); the launch code
+reads the split the tuner picked (`tuned`) to reduce exactly the partials that launch wrote.
 `sinkhorn` and `hc_head` are the naive PyTorch versions (not fused here).
 """
 from __future__ import annotations
@@ -21,50 +34,113 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels._triton_util import configs, on_cpu, pow2
+from dsv4.kernels._triton_util import configs, on_cpu, pow2, tuned
 from dsv4.kernels.mhc import naive
 
 sinkhorn = naive.sinkhorn
 hc_head = naive.hc_head
 
 
-def _prec(x) -> str:
-    """Dot precision: exact fp32 ("ieee") for CPU tensors (Triton's interpreter), 3xTF32 on the GPU."""
-    return "ieee" if on_cpu(x) else "tf32x3"
+def _ieee(x) -> bool:
+    """Dot precision: exact fp32 ("ieee") for CPU tensors (Triton's interpreter); TF32 passes on the GPU."""
+    return on_cpu(x)
 
 
-_PROJ_CONFIGS = configs(gpu=[dict(BM=32, BK=128, num_warps=4, num_stages=3), dict(BM=64, BK=128, num_warps=8, num_stages=3)],
-                        cpu=dict(BM=16, BK=32))
+def _exact(x) -> bool:
+    """x's values are exact in TF32 (bf16 / fp16 upcast): a product with x needs only the other operand split."""
+    return x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _small(n_elems):
+    """Prune for problems too small to tune (tests): the first config only."""
+    return lambda cfgs, args: cfgs if args["N"] * n_elems(args) >= 1 << 24 else cfgs[:1]
+
+
+@triton.jit
+def _tf32_hi(b):
+    """b with its low 13 mantissa bits cleared: exact in TF32; b - hi is the TF32 remainder."""
+    return (b.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mm(a, b, acc, EXACT: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a·b at ~fp32 accuracy. EXACT (a exact in TF32): b = hi + lo, two TF32 passes (products exact, the
+    remainder rounded at 2^-11 of 2^-11); else one 3xTF32 pass. IEEE (interpreter): the same terms, exact fp32."""
+    if EXACT:
+        hi = _tf32_hi(b)
+        if IEEE:
+            acc = tl.dot(a, hi, acc, input_precision="ieee")
+            acc = tl.dot(a, b - hi, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, hi, acc, input_precision="tf32")
+            acc = tl.dot(a, b - hi, acc, input_precision="tf32")
+    else:
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc, input_precision="tf32x3")
+    return acc
 
 
 # ------------------------------------------------------------------------------------------ hc_pre fwd
-@triton.autotune(**_PROJ_CONFIGS, key=["K", "R"])
+_SPLIT_MAX = 8
+# tiles of 32 fp32 elements per thread (x [BM, BK] upcast for the TF32 dot; 4 warps: 4096, 8 warps: 8192)
+_PROJ = configs(gpu=[dict(BM=64, BK=64, SPLIT=4, num_warps=4, num_stages=3),
+                     dict(BM=64, BK=64, SPLIT=8, num_warps=4, num_stages=4),
+                     dict(BM=128, BK=32, SPLIT=4, num_warps=4, num_stages=4),
+                     dict(BM=64, BK=128, SPLIT=4, num_warps=8, num_stages=3),
+                     dict(BM=128, BK=64, SPLIT=4, num_warps=8, num_stages=3),
+                     dict(BM=128, BK=64, SPLIT=8, num_warps=8, num_stages=4),
+                     dict(BM=256, BK=32, SPLIT=2, num_warps=8, num_stages=4),
+                     dict(BM=256, BK=32, SPLIT=4, num_warps=8, num_stages=4)],
+                cpu=dict(BM=16, BK=32, SPLIT=2), prune=_small(lambda a: a["K"]))
+
+
+@triton.autotune(**_PROJ, key=["K", "R", "NK", "EXACT"])
 @triton.jit
-def _proj(X, FN, MIX, RINV, N, K, R, norm_eps, RP: tl.constexpr, PREC: tl.constexpr,
-          BM: tl.constexpr, BK: tl.constexpr):
+def _proj(X, FN, PART, SQ, N, K, R, NK, RP: tl.constexpr, EXACT: tl.constexpr, IEEE: tl.constexpr,
+          BM: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
+    """Split-K partials of the projection: PART[s] [N, RP] = x[:, Ks]·fn[:, Ks]ᵀ and SQ[s] [N] = Σ_Ks x², over
+    the s-th of SPLIT contiguous K ranges (K = n·d). Reduced in fixed order by `_pre_map`: no atomics."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    s = tl.program_id(1)
     offs_r = tl.arange(0, RP)
     mmask, rmask = offs_m < N, offs_r < R
+    ks = tl.cdiv(tl.cdiv(K, SPLIT), BK) * BK
+    lo = s * ks
+    hi = tl.minimum(lo + ks, K)
     acc = tl.zeros([BM, RP], tl.float32)
     sq = tl.zeros([BM], tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(lo, hi, BK):
         offs_k = k0 + tl.arange(0, BK)
-        kmask = offs_k < K
+        kmask = offs_k < hi
         x = tl.load(X + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=mmask[:, None] & kmask[None, :],
                     other=0.0).to(tl.float32)
         f = tl.load(FN + offs_r[None, :] * K + offs_k[:, None], mask=rmask[None, :] & kmask[:, None], other=0.0)
-        acc = tl.dot(x, f, acc, input_precision=PREC)         # [BM, RP]
+        acc = _mm(x, f, acc, EXACT, IEEE)                       # [BM, RP]
         sq += tl.sum(x * x, 1)
-    r = 1.0 / tl.sqrt(sq / K + norm_eps)
-    tl.store(MIX + offs_m[:, None] * RP + offs_r[None, :], acc * r[:, None], mask=mmask[:, None])
-    tl.store(RINV + offs_m, r, mask=mmask)
+    tl.store(PART + (s * N + offs_m[:, None].to(tl.int64)) * RP + offs_r[None, :], acc, mask=mmask[:, None])
+    tl.store(SQ + s * N + offs_m, sq, mask=mmask)
 
 
 @triton.jit
-def _pre(X, MIX, BASE, SCALE, U, POST, COMB, PRE, N, D, iters, eps,
-         NS: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+def _pre_map(PART, SQ, BASE, SCALE, MIX, RINV, POST, COMB, PRE, N, K, SPLIT, iters, eps, norm_eps,
+             NS: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr):
+    """Per block of tokens: the split-K reduction (fixed order), r = rsqrt(mean(x²)+eps), mix = r·(x·fnᵀ), then
+    pre / post sigmoids and the Sinkhorn iterations on [BM, n, n] in registers."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     mmask = offs_m < N
+    offs_r = tl.arange(0, RP)
+    acc = tl.zeros([BM, RP], tl.float32)
+    sqs = tl.zeros([BM], tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(PART + (s * N + offs_m[:, None].to(tl.int64)) * RP + offs_r[None, :], mask=mmask[:, None],
+                       other=0.0)
+        sqs += tl.load(SQ + s * N + offs_m, mask=mmask, other=0.0)
+    r = 1.0 / tl.sqrt(sqs / K + norm_eps)
+    tl.store(MIX + offs_m[:, None] * RP + offs_r[None, :], acc * r[:, None], mask=mmask[:, None])
+    tl.store(RINV + offs_m, r, mask=mmask)
+    tl.debug_barrier()                                          # MIX is re-read below by other threads
     j = tl.arange(0, NP)
     jm = j < NS
     s0 = tl.load(SCALE)
@@ -94,31 +170,47 @@ def _pre(X, MIX, BASE, SCALE, U, POST, COMB, PRE, N, D, iters, eps,
         c = c / (tl.sum(c, 2)[:, :, None] + eps)
         c = c / (tl.sum(c, 1)[:, None, :] + eps)
     tl.store(COMB + offs_m[:, None, None] * (NS * NS) + j[None, :, None] * NS + j[None, None, :], c, mask=m3)
-    # aggregate u = Σ_j pre_j X_j, streamed over d
-    for d0 in range(0, D, BD):
-        offs_d = d0 + tl.arange(0, BD)
-        md = mmask[:, None] & (offs_d[None, :] < D)
-        u = tl.zeros([BM, BD], tl.float32)
-        for jj in tl.static_range(NS):
-            pj = tl.sum(tl.where(j[None, :] == jj, pre, 0.0), 1)
-            xj = tl.load(X + offs_m[:, None].to(tl.int64) * (NS * D) + jj * D + offs_d[None, :], mask=md, other=0.0)
-            u += pj[:, None] * xj.to(tl.float32)
-        tl.store(U + offs_m[:, None].to(tl.int64) * D + offs_d[None, :], u.to(U.dtype.element_ty), mask=md)
+
+
+_AGG = configs(gpu=[dict(BM=4, BD=256, num_warps=4), dict(BM=8, BD=256, num_warps=4),
+                    dict(BM=4, BD=512, num_warps=4), dict(BM=8, BD=512, num_warps=8),
+                    dict(BM=16, BD=256, num_warps=8), dict(BM=16, BD=128, num_warps=4)],
+               cpu=dict(BM=4, BD=16), prune=_small(lambda a: a["D"] * a["NS"]))
+
+
+@triton.autotune(**_AGG, key=["D", "NK", "NS"])
+@triton.jit
+def _pre_agg(X, PRE, U, N, D, NK, NS: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    """u [BM, BD] = Σ_j pre_j X_j: one read of x, one write of u."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    j = tl.arange(0, NP)
+    mmask = offs_m < N
+    md = mmask[:, None] & (offs_d[None, :] < D)
+    pre = tl.load(PRE + offs_m[:, None] * NS + j[None, :], mask=mmask[:, None] & (j < NS)[None, :], other=0.0)
+    u = tl.zeros([BM, BD], tl.float32)
+    for jj in tl.static_range(NS):
+        pj = tl.sum(tl.where(j[None, :] == jj, pre, 0.0), 1)
+        xj = tl.load(X + offs_m[:, None].to(tl.int64) * (NS * D) + jj * D + offs_d[None, :], mask=md, other=0.0)
+        u += pj[:, None] * xj.to(tl.float32)
+    tl.store(U + offs_m[:, None].to(tl.int64) * D + offs_d[None, :], u.to(U.dtype.element_ty), mask=md)
 
 
 # ------------------------------------------------------------------------------------------ hc_pre bwd
+_DPRE = configs(gpu=[dict(BM=4, BD=256, num_warps=4, num_stages=2), dict(BM=8, BD=256, num_warps=8, num_stages=3),
+                     dict(BM=8, BD=128, num_warps=4, num_stages=3), dict(BM=16, BD=128, num_warps=8, num_stages=2),
+                     dict(BM=4, BD=512, num_warps=8, num_stages=2), dict(BM=8, BD=256, num_warps=8, num_stages=2)],
+                cpu=dict(BM=4, BD=16), prune=_small(lambda a: a["D"] * a["NS"]))
+
+
+@triton.autotune(**_DPRE, key=["D", "NK", "NS"])
 @triton.jit
-def _pre_bwd_w(X, DU, MIX, BASE, SCALE, DPOST, DCOMB, DZ, N, D, iters, eps,
-               NS: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
-    """Per block of tokens: dpre = Σ_d du·X_j (streamed over d), then the backward of the small map
-    z = mix·scale + base -> (pre, post, comb) into DZ = dL/dz [N, RP]. The Sinkhorn steps are differentiated by
-    recomputation: for step i (last to first) the forward is replayed from the softmax up to step i, in registers
-    (O(iters²) work on [BM, n, n], nothing stored)."""
+def _pre_bwd_dpre(X, DU, DPRE, N, D, NK, NS: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    """dpre [N, NP] = Σ_d du·X_j, streamed over d: one read of x and of du."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     mmask = offs_m < N
     j = tl.arange(0, NP)
-    jm = j < NS
-    m2 = mmask[:, None] & jm[None, :]
+    m2 = mmask[:, None] & (j < NS)[None, :]
     dpre = tl.zeros([BM, NP], tl.float32)
     for d0 in range(0, D, BD):
         offs_d = d0 + tl.arange(0, BD)
@@ -128,6 +220,22 @@ def _pre_bwd_w(X, DU, MIX, BASE, SCALE, DPOST, DCOMB, DZ, N, D, iters, eps,
         x = tl.load(X + offs_m[:, None, None].to(tl.int64) * (NS * D) + j[None, :, None] * D + offs_d[None, None, :],
                     mask=m2[:, :, None] & dmask[None, None, :], other=0.0)
         dpre += tl.sum(x.to(tl.float32) * du[:, None, :], 2)
+    tl.store(DPRE + offs_m[:, None] * NP + j[None, :], dpre, mask=mmask[:, None])
+
+
+@triton.jit
+def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH, CX, N, K, R, iters, eps,
+                 NS: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr):
+    """Backward of the small map z = mix·scale + base -> (pre, post, comb) into DZ = dL/dz [N, RP], then
+    DH = d(x·fnᵀ) = dz·scale·r and CX = -r²/K·Σ dmix·mix (the rsqrt's term of dx). The Sinkhorn steps are
+    differentiated by recomputation: for step i (last to first) the forward is replayed from the softmax up to
+    step i, in registers (O(iters²) work on [BM, n, n], nothing stored)."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    mmask = offs_m < N
+    j = tl.arange(0, NP)
+    jm = j < NS
+    m2 = mmask[:, None] & jm[None, :]
+    dpre = tl.load(DPRE + offs_m[:, None] * NP + j[None, :], mask=m2, other=0.0)
     s0 = tl.load(SCALE)
     s1 = tl.load(SCALE + 1)
     s2 = tl.load(SCALE + 2)
@@ -167,41 +275,93 @@ def _pre_bwd_w(X, DU, MIX, BASE, SCALE, DPOST, DCOMB, DZ, N, D, iters, eps,
         g = tl.where(valid[None, :, :], g, 0.0)                 # padded streams (n not a power of 2)
     dl = p * (g - tl.sum(p * g, 2)[:, :, None])                 # softmax backward (the +eps passes g)
     tl.store(DZ + offs_m[:, None, None] * RP + jk[None, :, :], dl, mask=m3)
-
-
-@triton.jit
-def _pre_dx(X, FN, DH, CX, PRE, DU, DX, N, K, D, R, NS: tl.constexpr, RP: tl.constexpr, PREC: tl.constexpr,
-            BM: tl.constexpr, BK: tl.constexpr):
-    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
-    offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
+    # dh = dz·scale_group·r, cx = -r²/K Σ_cols dz·scale·mix (padded columns written 0)
+    tl.debug_barrier()                                          # DZ is re-read below by other threads
     offs_r = tl.arange(0, RP)
-    mmask, kmask = offs_m < N, offs_k < K
-    mk = mmask[:, None] & kmask[None, :]
-    dh = tl.load(DH + offs_m[:, None] * RP + offs_r[None, :], mask=mmask[:, None], other=0.0)
-    f = tl.load(FN + offs_r[:, None] * K + offs_k[None, :], mask=(offs_r < R)[:, None] & kmask[None, :], other=0.0)
-    dx = tl.dot(dh, f, input_precision=PREC)                    # [BM, BK]
-    x_off = offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
-    x = tl.load(X + x_off, mask=mk, other=0.0).to(tl.float32)
-    cx = tl.load(CX + offs_m, mask=mmask, other=0.0)
-    jj = offs_k // D
-    pre = tl.load(PRE + offs_m[:, None] * NS + jj[None, :], mask=mk, other=0.0)
-    du = tl.load(DU + offs_m[:, None].to(tl.int64) * D + (offs_k - jj * D)[None, :], mask=mk, other=0.0)
-    dx += cx[:, None] * x + pre * du.to(tl.float32)
-    tl.store(DX + x_off, dx.to(DX.dtype.element_ty), mask=mk)
+    rm = mmask[:, None] & (offs_r < R)[None, :]
+    dzr = tl.load(DZ + offs_m[:, None] * RP + offs_r[None, :], mask=rm, other=0.0)
+    mixr = tl.load(MIX + offs_m[:, None] * RP + offs_r[None, :], mask=rm, other=0.0)
+    sc = tl.where(offs_r < NS, s0, tl.where(offs_r < 2 * NS, s1, s2))
+    dmix = dzr * sc[None, :]
+    rinv = tl.load(RINV + offs_m, mask=mmask, other=0.0)
+    tl.store(DH + offs_m[:, None] * RP + offs_r[None, :], dmix * rinv[:, None], mask=mmask[:, None])
+    tl.store(DZ + offs_m[:, None] * RP + offs_r[None, :], dzr, mask=mmask[:, None])
+    tl.store(CX + offs_m, -tl.sum(dmix * mixr, 1) * rinv * rinv / K, mask=mmask)
 
 
-def _blocks_d(d, x):
-    return (16, min(pow2(d), 32)) if on_cpu(x) else (16, min(pow2(d), 256))
+_DX_SPLIT_MAX = 16
+# [BM, n·BD] tiles (x, du, pre, dx) and fn [RP, n·BD] / dfnᵀ at 32 fp32 elements per thread
+_DX = configs(gpu=[dict(BD=32, BM=32, NSPLIT=8, num_warps=4, num_stages=3),
+                   dict(BD=32, BM=32, NSPLIT=16, num_warps=4, num_stages=3),
+                   dict(BD=32, BM=32, NSPLIT=16, num_warps=4, num_stages=2),
+                   dict(BD=32, BM=64, NSPLIT=8, num_warps=8, num_stages=3),
+                   dict(BD=32, BM=64, NSPLIT=16, num_warps=8, num_stages=2),
+                   dict(BD=64, BM=32, NSPLIT=8, num_warps=8, num_stages=3),
+                   dict(BD=64, BM=32, NSPLIT=16, num_warps=8, num_stages=2)],
+              cpu=dict(BD=8, BM=16, NSPLIT=2), prune=_small(lambda a: a["K"]))
 
 
-def _project(x, fn32, norm_eps):
-    """mix [N, RP] (normalised x·fnᵀ, zero-padded columns) and rsqrt(mean(x²)+eps) [N] (kernel `_proj`)."""
-    N, R, K = x.shape[0], fn32.shape[0], fn32.shape[1]
+@triton.autotune(**_DX, key=["K", "NK", "NS", "EXACT"])
+@triton.jit
+def _pre_bwd_dx(X, FN, DH, CX, PRE, DU, DX, DFN, N, K, D, R, NK, NS: tl.constexpr, NP: tl.constexpr,
+                RP: tl.constexpr, EXACT: tl.constexpr, IEEE: tl.constexpr,
+                BD: tl.constexpr, BM: tl.constexpr, NSPLIT: tl.constexpr):
+    """Program (channel block d0, token split s): the columns k = j·d + d0 + i of ALL streams j (C = NP·BD of
+    them, so du [BM, BD] is loaded once for the n streams); the fn tile [RP, C] stays in registers while the program
+    walks its token range in BM blocks: dx = dh·fn + cx·x + pre_j·du (3xTF32), and accumulates
+    dfnᵀ[C, RP] += xᵀ·dh (x exact in TF32: two passes). DFN[s] [K, RP] partial, summed over s by PyTorch."""
+    C: tl.constexpr = NP * BD
+    d0 = tl.program_id(0) * BD
+    s = tl.program_id(1)
+    cc = tl.arange(0, C)
+    jj = cc // BD
+    dd = d0 + cc % BD
+    cmask = (jj < NS) & (dd < D)
+    kk = jj * D + dd                                            # column -> K index
+    offs_r = tl.arange(0, RP)
+    fsub = tl.load(FN + offs_r[:, None] * K + kk[None, :], mask=(offs_r < R)[:, None] & cmask[None, :], other=0.0)
+    dfnT = tl.zeros([C, RP], tl.float32)
+    tps = tl.cdiv(tl.cdiv(N, NSPLIT), BM) * BM
+    lo = s * tps
+    hi = tl.minimum(lo + tps, N)
+    for t0 in range(lo, hi, BM):
+        offs_m = t0 + tl.arange(0, BM)
+        mmask = offs_m < hi
+        mc = mmask[:, None] & cmask[None, :]
+        dh = tl.load(DH + offs_m[:, None] * RP + offs_r[None, :], mask=mmask[:, None], other=0.0)
+        x_off = offs_m[:, None].to(tl.int64) * K + kk[None, :]
+        x = tl.load(X + x_off, mask=mc, other=0.0).to(tl.float32)
+        cx = tl.load(CX + offs_m, mask=mmask, other=0.0)
+        pre = tl.load(PRE + offs_m[:, None] * NS + jj[None, :], mask=mc, other=0.0)
+        du = tl.load(DU + offs_m[:, None].to(tl.int64) * D + dd[None, :], mask=mc, other=0.0).to(tl.float32)
+        dx = _mm(dh, fsub, tl.zeros([BM, C], tl.float32), False, IEEE)
+        dx += cx[:, None] * x + pre * du
+        tl.store(DX + x_off, dx.to(DX.dtype.element_ty), mask=mc)
+        dfnT = _mm(tl.trans(x), dh, dfnT, EXACT, IEEE)
+    tl.store(DFN + (s * K + kk[:, None].to(tl.int64)) * RP + offs_r[None, :], dfnT, mask=cmask[:, None])
+
+
+def _project(x, fn32, norm_eps, base32=None, scale32=None, iters=1, eps=0.0):
+    """mix [N, RP] (normalised x·fnᵀ, zero-padded columns), rinv = rsqrt(mean(x²)+eps) [N], and the small map
+    (post [N, n], comb [N, n, n], pre [N, n]; zero base / unit scale when not given): `_proj` + `_pre_map`."""
+    N, n, d = x.shape
+    R, K = fn32.shape
     RP = pow2(R)
-    mix = torch.empty(N, RP, device=x.device, dtype=torch.float32)
-    rinv = torch.empty(N, device=x.device, dtype=torch.float32)
-    _proj[lambda meta: (triton.cdiv(N, meta["BM"]),)](x, fn32, mix, rinv, N, K, R, float(norm_eps), RP=RP, PREC=_prec(x))
-    return mix, rinv
+    dev = x.device
+    f32 = dict(device=dev, dtype=torch.float32)
+    base32 = torch.zeros(R, **f32) if base32 is None else base32
+    scale32 = torch.ones(3, **f32) if scale32 is None else scale32
+    part = torch.empty(_SPLIT_MAX, N, RP, **f32)
+    sq = torch.empty(_SPLIT_MAX, N, **f32)
+    _proj[lambda meta: (triton.cdiv(N, meta["BM"]), meta["SPLIT"])](x, fn32, part, sq, N, K, R, N.bit_length(),
+                                                                     RP=RP, EXACT=_exact(x), IEEE=_ieee(x))
+    mix, rinv = torch.empty(N, RP, **f32), torch.empty(N, **f32)
+    post, comb, pre = torch.empty(N, n, **f32), torch.empty(N, n, n, **f32), torch.empty(N, n, **f32)
+    BM = 16 if on_cpu(x) else 32
+    _pre_map[(triton.cdiv(N, BM),)](part, sq, base32, scale32, mix, rinv, post, comb, pre, N, K, tuned(_proj, "SPLIT"),
+                                    int(iters), float(eps), float(norm_eps), NS=n, NP=pow2(n, lo=1), RP=RP, BM=BM,
+                                    num_warps=4)
+    return mix, rinv, post, comb, pre
 
 
 class _HcPre(torch.autograd.Function):
@@ -209,17 +369,11 @@ class _HcPre(torch.autograd.Function):
     def forward(ctx, x, fn, base, scale, iters, eps, norm_eps):
         x = x.contiguous()
         N, n, d = x.shape
-        R, K = fn.shape
-        RP = pow2(R)
         fn32, base32, scale32 = fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous()
-        mix, rinv = _project(x, fn32, norm_eps)
+        mix, rinv, post, comb, pre = _project(x, fn32, norm_eps, base32, scale32, iters, eps)
         u = torch.empty(N, d, device=x.device, dtype=x.dtype)
-        post = torch.empty(N, n, device=x.device, dtype=torch.float32)
-        comb = torch.empty(N, n, n, device=x.device, dtype=torch.float32)
-        pre = torch.empty(N, n, device=x.device, dtype=torch.float32)
-        BM, BD = _blocks_d(d, x)
-        _pre[(triton.cdiv(N, BM),)](x, mix, base32, scale32, u, post, comb, pre, N, d, int(iters), float(eps),
-                                    NS=n, NP=pow2(n, lo=1), RP=RP, BM=BM, BD=BD, num_warps=4)
+        _pre_agg[lambda meta: (triton.cdiv(N, meta["BM"]), triton.cdiv(d, meta["BD"]))](
+            x, pre, u, N, d, N.bit_length(), NS=n, NP=pow2(n, lo=1))
         ctx.save_for_backward(x, fn32, base32, scale32, mix, rinv, pre)
         ctx.cfg = (int(iters), float(eps), fn.dtype, base.dtype, scale.dtype)
         return u, post, comb
@@ -230,33 +384,45 @@ class _HcPre(torch.autograd.Function):
         iters, eps, fdt, bdt, sdt = ctx.cfg
         N, n, d = x.shape
         R, K = fn32.shape
-        RP = mix.shape[1]
-        BM, BD = _blocks_d(d, x)
+        RP, NP = mix.shape[1], pow2(n, lo=1)
+        f32 = dict(device=x.device, dtype=torch.float32)
         du = torch.zeros(N, d, device=x.device, dtype=x.dtype) if du is None else du.contiguous()
-        dpost = torch.zeros(N, n, device=x.device, dtype=torch.float32) if dpost is None else dpost.float().contiguous()
-        dcomb = torch.zeros(N, n, n, device=x.device, dtype=torch.float32) if dcomb is None else dcomb.float().contiguous()
-        dz = torch.empty(N, RP, device=x.device, dtype=torch.float32)            # dL / d(mix·scale + base)
-        _pre_bwd_w[(triton.cdiv(N, BM),)](x, du, mix, base32, scale32, dpost, dcomb, dz, N, d, iters, eps,
-                                          NS=n, NP=pow2(n, lo=1), RP=RP, BM=BM, BD=BD, num_warps=4)
-        dz = dz[:, :R]
-        groups = torch.tensor([0] * n + [1] * n + [2] * (n * n), device=x.device)   # scale index of each row
-        dmix = dz * scale32[groups]
-        dbase = dz.sum(0)
-        dscale = torch.zeros(3, device=x.device, dtype=torch.float32).index_add_(0, groups, (dz * mix[:, :R]).sum(0))
-        dh = torch.zeros(N, RP, device=x.device, dtype=torch.float32)
-        dh[:, :R] = dmix * rinv[:, None]                         # d(x·fnᵀ)
-        cx = -(dmix * mix[:, :R]).sum(1) * rinv * rinv / K          # from r = rsqrt(mean(x²)+eps)
+        dpost = torch.zeros(N, n, **f32) if dpost is None else dpost.float().contiguous()
+        dcomb = torch.zeros(N, n, n, **f32) if dcomb is None else dcomb.float().contiguous()
+        dpre = torch.empty(N, NP, **f32)
+        _pre_bwd_dpre[lambda meta: (triton.cdiv(N, meta["BM"]),)](x, du, dpre, N, d, N.bit_length(), NS=n, NP=NP)
+        dz, dh, cx = torch.empty(N, RP, **f32), torch.empty(N, RP, **f32), torch.empty(N, **f32)
+        BM = 16 if on_cpu(x) else 32
+        _pre_bwd_map[(triton.cdiv(N, BM),)](mix, rinv, base32, scale32, dpre, dpost, dcomb, dz, dh, cx, N, K, R,
+                                            iters, eps, NS=n, NP=NP, RP=RP, BM=BM, num_warps=4)
         dx = torch.empty_like(x)
-        BMx, BK = (16, 32) if on_cpu(x) else (64, 128)
-        _pre_dx[(triton.cdiv(N, BMx), triton.cdiv(K, BK))](x, fn32, dh, cx.contiguous(), pre, du, dx, N, K, d, R,
-                                                           NS=n, RP=RP, PREC=_prec(x), BM=BMx, BK=BK, num_warps=4)
-        dfn = dh[:, :R].t() @ x.reshape(N, K).to(torch.float32)     # [R, n*d]
-        return dx, dfn.to(fdt), dbase.to(bdt), dscale.to(sdt), None, None, None
+        part = torch.empty(_DX_SPLIT_MAX, K, RP, **f32)
+        _pre_bwd_dx[lambda meta: (triton.cdiv(d, meta["BD"]), meta["NSPLIT"])](
+            x, fn32, dh, cx, pre, du, dx, part, N, K, d, R, N.bit_length(), NS=n, NP=NP, RP=RP, EXACT=_exact(x),
+            IEEE=_ieee(x))
+        dfn = part[:tuned(_pre_bwd_dx, "NSPLIT")].sum(0)[:, :R].t()             # [R, n*d]
+        groups = torch.tensor([0] * n + [1] * n + [2] * (n * n), device=x.device)   # scale index of each row
+        dz = dz[:, :R]
+        dbase = dz.sum(0)
+        dscale = torch.zeros(3, **f32).index_add_(0, groups, (dz * mix[:, :R]).sum(0))
+        return dx, dfn.to(fdt).contiguous(), dbase.to(bdt), dscale.to(sdt), None, None, None
 
 
 # ------------------------------------------------------------------------------------------ hc_post
+_POST_FWD = configs(gpu=[dict(BM=4, BD=256, num_warps=4), dict(BM=8, BD=256, num_warps=4),
+                         dict(BM=4, BD=512, num_warps=4), dict(BM=8, BD=512, num_warps=8),
+                         dict(BM=16, BD=256, num_warps=8), dict(BM=2, BD=512, num_warps=4)],
+                    cpu=dict(BM=16, BD=32), prune=_small(lambda a: a["D"] * a["NS"]))
+_POST_BWD = configs(gpu=[dict(BM=2, num_warps=4), dict(BM=4, num_warps=4), dict(BM=8, num_warps=4),
+                         dict(BM=8, num_warps=8), dict(BM=16, num_warps=8)],
+                    cpu=dict(BM=16), prune=_small(lambda a: a["D"] * a["NS"]))
+_POST_BD = 256                                  # hc_post bwd channel block on the GPU (fixes the partial count)
+
+
+@triton.autotune(**_POST_FWD, key=["D", "NK", "NS"])
 @triton.jit
-def _post_fwd(X, OUT, POST, COMB, Y, N, D, NS: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+def _post_fwd(X, OUT, POST, COMB, Y, N, D, NK, NS: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr,
+              BD: tl.constexpr):
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     k = tl.arange(0, NP)
@@ -275,8 +441,9 @@ def _post_fwd(X, OUT, POST, COMB, Y, N, D, NS: tl.constexpr, NP: tl.constexpr, B
     tl.store(Y + y_off, y.to(Y.dtype.element_ty), mask=mk[:, :, None] & dmask[None, None, :])
 
 
+@triton.autotune(**_POST_BWD, key=["D", "NK", "NS", "BD"])
 @triton.jit
-def _post_bwd(X, OUT, POST, COMB, DY, DX, DOUT, DPOST, DCOMB, N, D,
+def _post_bwd(X, OUT, POST, COMB, DY, DX, DOUT, DPOST, DCOMB, N, D, NK,
               NS: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
     """Grid (token blocks, channel blocks): dx, dout of the block's channels; dpost / dcomb partial sums over
     the block's channels go to DPOST[dblock] / DCOMB[dblock] (summed by PyTorch; no atomics)."""
@@ -310,9 +477,8 @@ class _HcPost(torch.autograd.Function):
         post32, comb32 = post.float().contiguous(), comb.float().contiguous()
         N, n, d = x.shape
         y = torch.empty_like(x)
-        BM, BD = (16, min(pow2(d), 32)) if on_cpu(x) else (8, min(pow2(d), 256))
-        _post_fwd[(triton.cdiv(N, BM), triton.cdiv(d, BD))](x, out, post32, comb32, y, N, d, NS=n,
-                                                            NP=pow2(n, lo=1), BM=BM, BD=BD, num_warps=4)
+        _post_fwd[lambda meta: (triton.cdiv(N, meta["BM"]), triton.cdiv(d, meta["BD"]))](
+            x, out, post32, comb32, y, N, d, N.bit_length(), NS=n, NP=pow2(n, lo=1))
         ctx.save_for_backward(x, out, post32, comb32)
         ctx.dts = (out.dtype, post.dtype, comb.dtype)
         return y
@@ -322,12 +488,13 @@ class _HcPost(torch.autograd.Function):
         x, out, post32, comb32 = ctx.saved_tensors
         N, n, d = x.shape
         dx, dout = torch.empty_like(x), torch.empty_like(out)
-        BM, BD = (16, min(pow2(d), 8)) if on_cpu(x) else (16, min(pow2(d), 256))
+        BD = min(pow2(d), 8 if on_cpu(x) else _POST_BD)
         nd = triton.cdiv(d, BD)
         dpost = torch.empty(nd, N, n, device=x.device, dtype=torch.float32)
         dcomb = torch.empty(nd, N, n, n, device=x.device, dtype=torch.float32)
-        _post_bwd[(triton.cdiv(N, BM), nd)](x, out, post32, comb32, dy.contiguous(), dx, dout, dpost, dcomb, N, d,
-                                            NS=n, NP=pow2(n, lo=1), BM=BM, BD=BD, num_warps=4)
+        _post_bwd[lambda meta: (triton.cdiv(N, meta["BM"]), nd)](x, out, post32, comb32, dy.contiguous(), dx, dout,
+                                                                 dpost, dcomb, N, d, N.bit_length(), NS=n,
+                                                                 NP=pow2(n, lo=1), BD=BD)
         return dx, dout, dpost.sum(0).to(ctx.dts[1]), dcomb.sum(0).to(ctx.dts[2])
 
 
