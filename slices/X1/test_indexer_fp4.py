@@ -8,7 +8,7 @@ from dsv4.kernels.indexer import indexer_scores as _indexer_scores, indexer_topk
 from dsv4.kernels.indexer.fp4 import (fp4_fake_quant, hadamard, indexer_scores_fp4, rotate_activation,
                                       topk_recall)
 from dsv4.model.layout import Layout
-from dsv4.model.lowp import quant as Q
+from dsv4.kernels.quant import naive as Q
 
 
 def _meta(seg, pos, ratio):
