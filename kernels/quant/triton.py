@@ -47,7 +47,7 @@ def _scale(amax, POW2: tl.constexpr, VMAX: tl.constexpr, EV: tl.constexpr, MV: t
     """(scale, 1/scale) of block maxima amax (fp32, finite, >= 0); 1/scale is used only for POW2 scales."""
     if POW2:
         sub = amax < 1.1754943508222875e-38                          # fp32 subnormal amax: scale it up first
-        a = tl.where(sub, amax * 18446744073709551616.0, amax)       # * 2^64, exact
+        a = amax * tl.where(sub, 18446744073709551616.0, 1.0)         # * 2^64, exact
         b = a.to(tl.int32, bitcast=True)
         ea = ((b >> 23) & 0xFF) - 127 - tl.where(sub, 64, 0)
         e = ea - EV + ((b & 0x7FFFFF) > MV).to(tl.int32)            # ceil(log2(amax / vmax)), exact
