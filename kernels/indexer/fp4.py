@@ -103,9 +103,9 @@ def indexer_scores_qk(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio
     return I.to(torch.bfloat16)
 
 
-def topk_recall(I_test: torch.Tensor, I_ref: torch.Tensor, k: int) -> float:
-    """Mean over query rows (I [..., N]) with >= 1 visible entry of |TopK(test) ∩ TopK(ref)| / |TopK(ref)|
-    (-1s ignored)."""
+def topk_recall(I_test: torch.Tensor, I_ref: torch.Tensor, k: int, min_visible: int = 1) -> float:
+    """Mean over query rows (I [..., N]) with >= `min_visible` visible entries (>= 1; k = issue 14's "queries with
+    at least k candidates") of |TopK(test) ∩ TopK(ref)| / |TopK(ref)| (-1s ignored)."""
     a = indexer_topk(I_test.float(), k)
     r = indexer_topk(I_ref.float(), k)
     T = I_ref.shape[-1]
@@ -115,5 +115,5 @@ def topk_recall(I_test: torch.Tensor, I_ref: torch.Tensor, k: int) -> float:
     valid = r >= 0
     found = hit.gather(-1, torch.where(valid, r, T)) & valid
     n = valid.sum(-1)
-    rows = n > 0
+    rows = (n > 0) & (torch.isfinite(I_ref.float()).sum(-1) >= min_visible)
     return float((found.sum(-1)[rows].float() / n[rows].float()).mean())
