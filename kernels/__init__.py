@@ -31,6 +31,7 @@ OPS: dict[str, dict[str, str]] = {
     "hc_post": {"naive": "mhc.naive:hc_post", "triton": "mhc.op:hc_post"},
     "hc_head": {"naive": "mhc.naive:hc_head", "triton": "mhc.naive:hc_head"},
     "clamped_swiglu": {"naive": "swiglu.naive:clamped_swiglu", "triton": "swiglu.op:clamped_swiglu"},
+    "fp8_quantize": {"naive": "quant.naive:fp8_quantize", "triton": "quant.op:fp8_quantize"},
 }
 
 

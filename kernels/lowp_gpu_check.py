@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from dsv4.model.lowp import fp8_linear as L
-from dsv4.model.lowp.quant import quantize
+from dsv4.kernels.quant.naive import quantize
 
 SHAPES = [(512, 512, 512), (4096, 2048, 2048), (4096, 2048, 512), (4096, 512, 2048), (4096, 2048, 1024),
           (4096, 1024, 2048), (16384, 2048, 2048)]

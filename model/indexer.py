@@ -9,6 +9,8 @@ Scores (kernel op `indexer_scores`, fp32), on a packed token stream (model/layou
     I[t,n] = sum_h (w[t,h] * n_I^-1/2) * ReLU(qI[t,h] . KI[n]) * c_I^-1/2,   w = h @ weights_proj^T;
     I[t,n] = -inf unless entry n is in t's document and complete (j < floor((pos_t+1)/m)).
 Top-k (`indexer_topk`): the min(k, N) best entries, ties -> lower index first, -1 for not visible picks.
+QK precision (`qk_precision`, set from outside by the precision recipe, model/lowp/recipe.py): "bf16" (the
+scores above), "fp8" or "fp4" (Hadamard-rotated qI, KI fake-quantised, BF16 scores; kernels/indexer/fp4.py).
 
 The indexer is fed DETACHED inputs (h, cQ): top-k is a hard selection, so the LM loss never reaches the indexer,
 and the indexer loss never reaches the main model -- the indexer is trained only by `indexer_kl_loss`.
@@ -18,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4.kernels.indexer import indexer_scores, indexer_scores_listed, indexer_topk
+from dsv4.kernels.indexer import indexer_scores_listed, indexer_topk
+from dsv4.kernels.indexer.fp4 import indexer_scores_qk
 from dsv4.kernels.sparse_attn import entry_probs
 from dsv4.kernels.sparse_attn.naive import window_keys
 
@@ -37,29 +40,38 @@ class Indexer(nn.Module):
         self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
         self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
         self.rope = rope
+        self.qk_precision = "bf16"            # "bf16" | "fp8" | "fp4" (kernels/indexer/fp4.py QK_PRECISIONS)
 
     def forward(self, x: torch.Tensor, cq: torch.Tensor, ctx, layout, backend: str = "naive",
                 dense_grad: bool = True, return_feats: bool = False):
         """x [T',d] the rows the layer sees (halo + local), cq [Tq,d_c] of the local queries (both already
         detached by the caller), ctx = (seg, pos, rope_pos, q_offset) of x's rows, layout (gathers the other
-        ranks' entries) -> (scores I [Tq,N] fp32, selected idx [Tq,min(k,N)] long (-1 = none), entry_seg [N],
-        entry_j [N]; with return_feats also (qI, kI, w) for `listed_scores`). dense_grad=False: the [Tq,N] scores only pick the top-k
-        (no graph through them; the sparse-mode loss re-scores the k listed entries)."""
+        ranks' entries) -> (scores I [Tq,N] fp32 (bf16 at qk_precision fp8 / fp4), selected idx [Tq,min(k,N)]
+        long (-1 = none), entry_seg [N], entry_j [N]; with return_feats also the features of `listed_scores`).
+        dense_grad=False: at qk_precision bf16 the [Tq,N] scores only pick the top-k (no graph through them; the
+        sparse-mode loss re-forms the k listed scores); the quantised precisions keep the dense graph (the loss
+        gathers from the scores that picked)."""
         seg, pos, rope_pos, q0 = ctx
         Tq = cq.shape[0]
         kI, eseg, ej = layout.gather_entries(*self.compressor(x, seg, pos, rope_pos, q0, backend=backend))
         q = self.wq_b(cq).view(Tq, self.n_heads, self.head_dim)                      # [Tq, n_I, c_I]
         q = self.rope(q, rope_pos[q0:])
         w = self.weights_proj(x[q0:])                                               # [Tq, n_I]
-        with torch.set_grad_enabled(dense_grad and torch.is_grad_enabled()):
-            scores = indexer_scores(q, kI, w, self.ratio, seg[q0:], pos[q0:], eseg, ej, backend=backend)
+        keep = (dense_grad or self.qk_precision != "bf16") and torch.is_grad_enabled()
+        with torch.set_grad_enabled(keep):
+            scores = indexer_scores_qk(q, kI, w, self.ratio, seg[q0:], pos[q0:], eseg, ej, self.qk_precision,
+                                       backend)                                     # [Tq, N] fp32 | bf16
         idx = indexer_topk(scores, self.topk, backend=backend)                      # [Tq, k]
-        return (scores, idx, eseg, ej, (q, kI, w)) if return_feats else (scores, idx, eseg, ej)
+        feats = (q, kI, w, scores if self.qk_precision != "bf16" else None)
+        return (scores, idx, eseg, ej, feats) if return_feats else (scores, idx, eseg, ej)
 
     @staticmethod
     def listed_scores(feats, idx: torch.Tensor, backend: str = "naive") -> torch.Tensor:
-        """The scores I at the listed entries idx [Tq,k] -> [Tq,k] fp32 (-inf at -1), differentiable."""
-        q, kI, w = feats
+        """The scores I at the listed entries idx [Tq,k] -> [Tq,k] fp32 (-inf at -1), differentiable: re-formed
+        from (qI, kI, w) (kernel op `indexer_scores_listed`), or gathered from the quantised dense scores."""
+        q, kI, w, dense = feats
+        if dense is not None:
+            return dense.float().gather(-1, torch.where(idx >= 0, idx, 0)).masked_fill(idx < 0, float("-inf"))
         return indexer_scores_listed(q, kI, w, idx, backend=backend)
 
 

@@ -69,16 +69,21 @@ def time_steps(model, B, S, V, steps, warmup, device, is_hf: bool):
         for p in params:
             p.grad = None
 
-    torch.cuda.reset_peak_memory_stats()
+    cuda = torch.device(device).type == "cuda"          # CPU: smoke runs of the same loop (no memory counters)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / steps
-    return {"step_s": dt, "tokens_per_s": B * S / dt, "peak_mem_bytes": torch.cuda.max_memory_allocated()}
+    return {"step_s": dt, "tokens_per_s": B * S / dt,
+            "peak_mem_bytes": torch.cuda.max_memory_allocated() if cuda else None}
 
 
 def run(config: str, tokens: list[int], batch: int, steps: int, warmup: int, impls: list[str], backend: str,

@@ -2,6 +2,7 @@
 
     dsv4 train --recipe debug|tiny|proxy [--steps N] [--out DIR] [--resume DIR] [--seed S]
                [--device cpu|cuda] [--dtype fp32|bf16] [--save-interval K] [--json]
+               [--precision bf16|fp8_tensor|fp8_block|fp4_qat] [--indexer-qk-precision bf16|fp8|fp4]
 
 Per step: forward (LM + MTP + indexer + MoE aux losses inside the model), backward, gradient clipping, Muon +
 AdamW step with warm-up + cosine LR (harness/train/optim.py), MoE expert-bias update. Recorded per step, under
@@ -89,6 +90,9 @@ class Recipe:
     tokenizer: str | None = None    # tokenizer.json for sft_data (default: byte-level)
     init: str | None = None         # start from a checkpoint: HF / official dir or a dsv4 run (harness/train/loading.py)
     recompute: bool = False         # whole-block activation recompute (long sequences)
+    # --- X1 low precision (issue 17): a precision recipe of model/lowp/recipe.py, applied after the model is built
+    precision: str | None = None    # None (off) | bf16 | fp8_tensor | fp8_block | fp4_qat
+    indexer_qk_precision: str | None = None   # overrides the precision recipe's: bf16 | fp8 | fp4
 
 
 RECIPES = {
@@ -379,6 +383,8 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
     model = model.to(device, torch.float64) if recipe.dtype == "fp64" else model.to(device)
     if recipe.recompute:
         model.set_recompute(True)
+    if recipe.precision is not None or recipe.indexer_qk_precision is not None:
+        _apply_precision(model, recipe)
     if recipe.backend != "naive":
         if recipe.backend != "triton" or not hasattr(model, "set_kernel_backend"):
             raise TrainError(f"train.backend: must be naive|triton, got {recipe.backend!r}")
@@ -551,6 +557,23 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
     return summary
 
 
+def _apply_precision(model, recipe: Recipe) -> None:
+    """The X1 precision recipe `recipe.precision` (default bf16: nothing quantised) with the indexer QK override,
+    from outside (model/lowp/recipe.py); before set_kernel_backend, which also sets the FP8 quantiser's backend."""
+    from dsv4.kernels.indexer.fp4 import QK_PRECISIONS
+    from dsv4.model.lowp.recipe import RECIPES as PRECISIONS, apply_precision_recipe, get_recipe
+    name = recipe.precision or "bf16"
+    if name not in PRECISIONS:
+        raise TrainError(f"train.precision: unknown {name!r}; known: {', '.join(PRECISIONS)}")
+    over = {}
+    if recipe.indexer_qk_precision is not None:
+        if recipe.indexer_qk_precision not in QK_PRECISIONS:
+            raise TrainError(f"train.indexer_qk_precision: must be {'|'.join(QK_PRECISIONS)}, "
+                             f"got {recipe.indexer_qk_precision!r}")
+        over["indexer_qk_precision"] = recipe.indexer_qk_precision
+    apply_precision_recipe(model, get_recipe(name, **over))
+
+
 def _cfg_dict(cfg, base_mtp) -> dict:
     """The config as built (a checkpoint of an --init run must name it; harness/train/loading.py reads it), with the
     per-step schedule settings reset."""
@@ -593,6 +616,10 @@ def _cfg_dict(cfg, base_mtp) -> dict:
 @click.option("--mtp-weight-after-decay", type=float, default=None,
               help="MTP loss weight once the LR decays (DSv4: 0.3 -> 0.1)")
 @click.option("--recompute/--no-recompute", default=None, help="whole-block activation recompute")
+@click.option("--precision", default=None, help="X1 precision recipe (model/lowp/recipe.py): bf16 | fp8_tensor | "
+              "fp8_block | fp4_qat")
+@click.option("--indexer-qk-precision", default=None, help="the indexer's QK scoring: bf16 | fp8 | fp4 "
+              "(overrides the precision recipe's)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON summary on stdout (strict JSON: non-finite "
               "floats as \"nan\" / \"inf\" / \"-inf\")")
 @click.option("--dp", type=int, default=None, help="data parallel (FSDP2) size; any parallel flag or torchrun's "
@@ -612,8 +639,8 @@ def _cfg_dict(cfg, base_mtp) -> dict:
               "outside FSDP) instead of FP32 masters under autocast; needs --dp > 1, --pp 1, --dtype fp32")
 def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, final_checkpoint, overwrite, threads,
               backend, text, text_errors, packing, compile_, init, sft_data, tokenizer, curriculum, lr_schedule,
-              decay_start, mtp_weight_after_decay, recompute, as_json, dp, pp, vpp, cp, ep, schedule, microbatches,
-              timeout_s, optimizer, fsdp_bf16):
+              decay_start, mtp_weight_after_decay, recompute, precision, indexer_qk_precision, as_json, dp, pp, vpp,
+              cp, ep, schedule, microbatches, timeout_s, optimizer, fsdp_bf16):
     """Train a DSv4 model on one device (debug: seconds on CPU; tiny: the CPU loss-curve golden), or under
     torchrun on a (pp, dp, cp, ep) mesh with --dp/--pp/--vpp/--cp/--ep."""
     r = RECIPES[recipe]
@@ -622,7 +649,8 @@ def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, fi
                                  text_errors=text_errors, packing=packing, compile=compile_, init=init,
                                  sft_data=sft_data, tokenizer=tokenizer, curriculum=curriculum,
                                  lr_schedule=lr_schedule, decay_start=decay_start,
-                                 mtp_weight_after_decay=mtp_weight_after_decay, recompute=recompute).items()
+                                 mtp_weight_after_decay=mtp_weight_after_decay, recompute=recompute,
+                                 precision=precision, indexer_qk_precision=indexer_qk_precision).items()
           if v is not None}
     try:
         if steps is not None and steps < 1:
@@ -642,6 +670,9 @@ def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, fi
         par = dict(dp=dp, pp=pp, vpp=vpp, cp=cp, ep=ep, schedule=schedule, microbatches=microbatches)
         if any(v is not None for v in par.values()) or optimizer is not None or fsdp_bf16 or \
                 int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            if r.precision is not None or r.indexer_qk_precision is not None:
+                raise TrainError("train.precision: the distributed loop does not apply precision recipes (one "
+                                 "device only)")
             from dsv4.harness.train.dist import train_distributed
             from dsv4.model.parallel import ParallelPlan
             par = {k: v for k, v in par.items() if v is not None}

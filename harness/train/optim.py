@@ -225,6 +225,12 @@ class DSv4Optimizer:
             self.adamw.load_state_dict(sd["adamw"])
 
 
+def _plain_name(n: str) -> str:
+    """The module's own name of a parametrized tensor (torch.nn.utils.parametrize stores `a.w13` as
+    `a.parametrizations.w13.original`; X1's expert QAT): the optimiser treats the FP32 master as the weight."""
+    return n.replace(".parametrizations.", ".").removesuffix(".original")
+
+
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.1, momentum: float = 0.95,
                     betas=(0.9, 0.95), eps: float = 1e-8, update_rms: float = UPDATE_RMS,
                     ns_dtype: torch.dtype = torch.float32, muon: bool = True) -> DSv4Optimizer:
@@ -235,7 +241,7 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.1
     for n, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        g = param_group_of(n, p)
+        g = param_group_of(_plain_name(n), p)
         if g == "muon" and not muon:
             g = "adamw_matrices"
         buckets.setdefault(g, []).append(p)
@@ -246,7 +252,7 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.1
                     update_rms=update_rms, ns_dtype=ns_dtype)
         muon.param_groups[0]["name"] = "muon"
         for n, p in model.named_parameters():                            # experts.w13 = [E, w1;w3]: 2 matrices
-            if n.endswith("w13") and p.requires_grad:
+            if _plain_name(n).endswith("w13") and p.requires_grad:
                 muon.split[p] = 2
     groups = [dict(params=buckets[g], name=g, weight_decay=0.0 if g in NO_DECAY else weight_decay)
               for g in ADAMW_GROUPS if buckets.get(g)]

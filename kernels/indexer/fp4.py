@@ -13,6 +13,15 @@ scale is not set by one large coordinate.
 
 CPU emulation (dequantised fp32 values): on the GPU the same function runs as tensor ops (no FP4 tensor-core
 kernel here; Hopper has none).
+
+One precision setting of the indexer's QK scoring, `QK_PRECISIONS` (model/indexer.py `Indexer.qk_precision`,
+set by the precision recipe's `indexer_qk_precision`), shared with the FP8 indexer of issue 14:
+    "bf16"  the high-precision path, unchanged (kernels/indexer `indexer_scores`; fp32 in fp32 runs)
+    "fp8"   rotated qI, kI fake-quantised to e4m3 with one ue8m0 scale per row (per token and head: 1 x c_I;
+            DeepSeek-V3.2's FP8 indexer rotates and act_quant's both sides the same way), BF16 index scores
+    "fp4"   rotated qI, kI in MXFP4 (above), BF16 index scores
+Simulated (quantise-dequantise, exact on the CPU) with a straight-through gradient for the indexer's KL loss;
+only the QK scoring is low precision: the indexer's weights and projections stay high precision.
 """
 from __future__ import annotations
 
@@ -21,7 +30,9 @@ import functools
 import torch
 
 from dsv4.kernels.indexer import indexer_scores, indexer_topk
-from dsv4.model.lowp.quant import quantize
+from dsv4.kernels.quant.naive import quantize, ste_fake_quantize
+
+QK_PRECISIONS = ("bf16", "fp8", "fp4")
 
 
 @functools.lru_cache(maxsize=8)
@@ -66,9 +77,35 @@ def indexer_scores_fp4(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, rati
     return I if score_dtype is None else I.to(score_dtype)
 
 
-def topk_recall(I_test: torch.Tensor, I_ref: torch.Tensor, k: int) -> float:
-    """Mean over query rows (I [..., N]) with >= 1 visible entry of |TopK(test) ∩ TopK(ref)| / |TopK(ref)|
-    (-1s ignored)."""
+def qk_fake_quant(x: torch.Tensor, precision: str, block: int = 32) -> torch.Tensor:
+    """x [..., c_I] (qI or kI after RoPE) -> rotated and fake-quantised fp32 (straight-through gradient):
+    "fp4" MXFP4 (e2m1, `block` elements per ue8m0 scale), "fp8" e4m3 with one ue8m0 scale per row."""
+    x = rotate_activation(x.float())
+    if precision == "fp4":
+        return ste_fake_quantize(x, "e2m1", (1, block), "ue8m0")
+    if precision == "fp8":
+        return ste_fake_quantize(x, "e4m3", (1, x.shape[-1]), "ue8m0")
+    raise ValueError(f"indexer qk_precision: fp8|fp4 quantise, got {precision!r}")
+
+
+def indexer_scores_qk(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: int, seg_q: torch.Tensor,
+                      pos_q: torch.Tensor, entry_seg: torch.Tensor, entry_j: torch.Tensor, precision: str = "bf16",
+                      backend: str = "naive") -> torch.Tensor:
+    """The indexer's scores I [Tq, N] at QK precision `precision` (QK_PRECISIONS; arguments as kernels/indexer
+    `indexer_scores`): "bf16" = indexer_scores itself; "fp8" / "fp4" = the scores of the rotated, fake-quantised
+    qI and kI (fp32 accumulation) rounded to BF16; differentiable (straight through the quantisers)."""
+    if precision not in QK_PRECISIONS:
+        raise ValueError(f"indexer qk_precision: must be {'|'.join(QK_PRECISIONS)}, got {precision!r}")
+    if precision == "bf16":
+        return indexer_scores(qI, kI, w, ratio, seg_q, pos_q, entry_seg, entry_j, backend=backend)
+    qq, kq = qk_fake_quant(qI, precision), qk_fake_quant(kI, precision)
+    I = indexer_scores(qq, kq, w.float(), ratio, seg_q, pos_q, entry_seg, entry_j, backend=backend)
+    return I.to(torch.bfloat16)
+
+
+def topk_recall(I_test: torch.Tensor, I_ref: torch.Tensor, k: int, min_visible: int = 1) -> float:
+    """Mean over query rows (I [..., N]) with >= `min_visible` visible entries (>= 1; k = issue 14's "queries with
+    at least k candidates") of |TopK(test) ∩ TopK(ref)| / |TopK(ref)| (-1s ignored)."""
     a = indexer_topk(I_test.float(), k)
     r = indexer_topk(I_ref.float(), k)
     T = I_ref.shape[-1]
@@ -78,5 +115,5 @@ def topk_recall(I_test: torch.Tensor, I_ref: torch.Tensor, k: int) -> float:
     valid = r >= 0
     found = hit.gather(-1, torch.where(valid, r, T)) & valid
     n = valid.sum(-1)
-    rows = n > 0
+    rows = (n > 0) & (torch.isfinite(I_ref.float()).sum(-1) >= min_visible)
     return float((found.sum(-1)[rows].float() / n[rows].float()).mean())

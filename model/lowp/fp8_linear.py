@@ -5,7 +5,7 @@ GEMMs of y = x W^T (x [M, K], W [N, K], no bias), following DeepSeek-V3's recipe
     dgrad  dx = dy · W       dy tiles 1x128 along N,     W blocks 128x128 (the forward quantisation of W)
     wgrad  dW = dy^T · x     dy^T and x^T tiles 1x128 along M (the tokens: DeepSeek's 128x1 tiles)
 and one scale per operand in "tensor" mode. Scales are ue8m0 (powers of two, DeepSeek-V4) or fp32
-(amax / 448). The operands are quantised exactly (model/lowp/quant.py); the GEMM then runs as:
+(amax / 448). The operands are quantised exactly (kernels/quant/naive.py); the GEMM then runs as:
   * CPU / "emulate": fp32 matmul of the dequantised operands (with power-of-two scales every product is exact,
     only the fp32 summation order differs from an FP8 tensor core);
   * CUDA, tensor mode: `torch._scaled_mm` (e4m3 operands, second one column-major, dims multiples of 16),
@@ -19,8 +19,8 @@ and one scale per operand in "tensor" mode. Scales are ue8m0 (powers of two, Dee
     ran, `SCALED_MM_FAILURES` any shape where scaled_mm failed after the probe.
   * Speed (H200 log slices/X1/logs/h200_fp8_gemm_check.json): the GEMMs are fast (blockwise 628, per-tensor
     984 TFLOP/s vs bf16 731 at 16384x2048x2048) but the eager quantisers are not (about 1 ms for a 16384x2048
-    activation), so FP8Linear's forward runs at 85-106 TFLOP/s there: a fused quantisation kernel is needed
-    before FP8 can beat bf16 in tokens/s.
+    activation), so FP8Linear's forward ran at 85-106 TFLOP/s there with them; hence the fused Triton quantiser
+    (kernels/quant/triton.py, the FP8Linear's `backend = "triton"`; same bits as the exact one).
 Gradients: dx in x's dtype, dW in the master weight's dtype (fp32 masters stay fp32).
 """
 from __future__ import annotations
@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.model.lowp.quant import QTensor, quantize
+from dsv4.kernels.quant import fp8_quantize
+from dsv4.kernels.quant.naive import QTensor
 
 TILE = 128
 LAST_PATH: dict[str, str] = {}          # "fprop" | "dgrad" | "wgrad" -> "emulate" | "scaled_mm" | "bf16-dequant"
@@ -54,19 +55,29 @@ class FP8Config:
             raise ValueError(f"FP8Config.backend: auto|emulate, got {self.backend!r}")
 
 
-def _q_act(t: torch.Tensor, fmt: str, cfg: FP8Config) -> QTensor:
-    """Operand quantised along its last (contraction) dim: 1x128 tiles, or per tensor."""
-    return quantize(t, fmt, (1, TILE) if cfg.scaling == "blockwise" else None, cfg.scale_format)
+def _quant(t: torch.Tensor, fmt: str, block, cfg: FP8Config, backend: str = "naive", transpose: bool = False):
+    """t [R, C] -> QTensor (float8 values; kernels/quant `fp8_quantize`: the exact quantiser, or the fused Triton
+    one with backend "triton", bit-identical); with transpose also the QTensor of t^T from the same pass."""
+    out = fp8_quantize(t, fmt, block, cfg.scale_format, transpose, backend=backend)
+    q = QTensor(out[0], out[1], fmt, block)
+    return (q, QTensor(out[2], out[3], fmt, block)) if transpose else q
 
 
-def _q_weight(w: torch.Tensor, cfg: FP8Config) -> QTensor:
-    return quantize(w, cfg.fwd_fmt, (TILE, TILE) if cfg.scaling == "blockwise" else None, cfg.scale_format)
+def _act_block(cfg: FP8Config):
+    """Operands quantised along their last (contraction) dim: 1x128 tiles, or per tensor."""
+    return (1, TILE) if cfg.scaling == "blockwise" else None
 
 
-def _t(q: QTensor) -> QTensor:
-    """Transpose a 2-D QTensor (values and block grid)."""
-    blk = None if q.block is None else (q.block[1], q.block[0])
-    return QTensor(q.values.t(), q.scale if q.block is None else q.scale.t(), q.fmt, blk)
+def _w_block(cfg: FP8Config):
+    return (TILE, TILE) if cfg.scaling == "blockwise" else None
+
+
+def _q_act(t: torch.Tensor, fmt: str, cfg: FP8Config, backend: str = "naive") -> QTensor:
+    return _quant(t, fmt, _act_block(cfg), cfg, backend)
+
+
+def _q_weight(w: torch.Tensor, cfg: FP8Config, backend: str = "naive") -> QTensor:
+    return _quant(w, cfg.fwd_fmt, _w_block(cfg), cfg, backend)
 
 
 def _aligned(*dims: int) -> bool:
@@ -199,35 +210,52 @@ def emulated_gemm(a: QTensor, b: QTensor) -> torch.Tensor:
 
 
 class _FP8LinearFn(torch.autograd.Function):
+    """Each operand is quantised once, with the transposed copy its backward GEMM reads written by the same pass:
+    forward W (128x128) -> W and W^T (dgrad), x (1x128) -> x and x^T in 1x128 tiles along M (wgrad);
+    backward dy -> dy (1x128 along N, dgrad) and dy^T (1x128 along M, wgrad). The saved tensors are the FP8
+    W^T and x^T (and their scales), not x and W."""
+
     @staticmethod
-    def forward(ctx, x2, weight, cfg: FP8Config):
+    def forward(ctx, x2, weight, cfg: FP8Config, backend: str):
         out_dtype = cfg.out_dtype or x2.dtype
-        qw = _q_weight(weight, cfg)
-        y = fp8_gemm(_q_act(x2, cfg.fwd_fmt, cfg), qw, out_dtype, cfg, "fprop")
-        ctx.save_for_backward(x2, weight)
-        ctx.cfg = cfg
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        qw = _quant(weight, cfg.fwd_fmt, _w_block(cfg), cfg, backend, transpose=need_dx)
+        qx = _quant(x2, cfg.fwd_fmt, _act_block(cfg), cfg, backend, transpose=need_dw)
+        qw, qw_t = qw if need_dx else (qw, None)
+        qx, qx_t = qx if need_dw else (qx, None)
+        y = fp8_gemm(qx, qw, out_dtype, cfg, "fprop")
+        w_t = (qw_t.values, qw_t.scale) if need_dx else (None, None)
+        x_t = (qx_t.values, qx_t.scale) if need_dw else (None, None)
+        ctx.save_for_backward(*w_t, *x_t)
+        ctx.cfg, ctx.backend, ctx.dtypes = cfg, backend, (x2.dtype, weight.dtype)
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        x2, weight = ctx.saved_tensors
-        cfg = ctx.cfg
+        w_t, w_ts, x_t, x_ts = ctx.saved_tensors
+        cfg, backend = ctx.cfg, ctx.backend
+        x_dtype, w_dtype = ctx.dtypes
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = dw = None
-        acc = torch.promote_types(x2.dtype, torch.float32)
-        if ctx.needs_input_grad[0]:
-            qw_t = _t(_q_weight(weight, cfg))                                # W^T [K, N], same blocks as fprop
-            dx = fp8_gemm(_q_act(gy, cfg.bwd_fmt, cfg), qw_t, acc, cfg, "dgrad").to(x2.dtype)
-        if ctx.needs_input_grad[1]:
-            a = _q_act(gy.t(), cfg.bwd_fmt, cfg)                             # dy^T [N, M], tiles along M
-            b = _q_act(x2.t(), cfg.fwd_fmt, cfg)                             # x^T  [K, M], tiles along M
-            dw = fp8_gemm(a, b, acc, cfg, "wgrad").to(weight.dtype)
-        return dx, dw, None
+        acc = torch.promote_types(x_dtype, torch.float32)
+        if not (need_dx or need_dw):
+            return None, None, None, None
+        qg = _quant(gy, cfg.bwd_fmt, _act_block(cfg), cfg, backend, transpose=need_dw)
+        qg, qg_t = qg if need_dw else (qg, None)
+        if need_dx:                                                      # dy [M, N] . (W^T [K, N])^T
+            dx = fp8_gemm(qg, QTensor(w_t, w_ts, cfg.fwd_fmt, _w_block(cfg)), acc, cfg, "dgrad").to(x_dtype)
+        if need_dw:                                                      # dy^T [N, M] . (x^T [K, M])^T
+            dw = fp8_gemm(qg_t, QTensor(x_t, x_ts, cfg.fwd_fmt, _act_block(cfg)), acc, cfg, "wgrad").to(w_dtype)
+        return dx, dw, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cfg: FP8Config = FP8Config()) -> torch.Tensor:
-    """x [..., K], weight [N, K] -> [..., N] through FP8 GEMMs (forward and backward)."""
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cfg: FP8Config = FP8Config(),
+               backend: str = "naive") -> torch.Tensor:
+    """x [..., K], weight [N, K] -> [..., N] through FP8 GEMMs (forward and backward); `backend` is the kernel
+    backend of the quantiser (kernels/quant: "naive" exact, "triton" fused; the same bits), `cfg.backend` the
+    GEMM's."""
     lead = x.shape[:-1]
-    y = _FP8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, cfg)
+    y = _FP8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, cfg, backend)
     return y.reshape(*lead, weight.shape[0])
 
 
@@ -235,12 +263,13 @@ class FP8Linear(nn.Linear):
     """nn.Linear whose GEMMs run in FP8; the weight Parameter (the master) is the one of the replaced layer."""
 
     def __init__(self, in_features: int, out_features: int, cfg: FP8Config = FP8Config(), device=None,
-                 dtype=None):
+                 dtype=None, backend: str = "naive"):
         super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
         self.fp8 = cfg
+        self.backend = backend                    # the quantiser's kernel backend (model.set_kernel_backend)
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, cfg: FP8Config) -> "FP8Linear":
+    def from_linear(cls, lin: nn.Linear, cfg: FP8Config, backend: str = "naive") -> "FP8Linear":
         if lin.bias is not None:
             raise ValueError("FP8Linear: layers with a bias are not supported (DSv4 has none)")
         new = cls.__new__(cls)
@@ -249,10 +278,11 @@ class FP8Linear(nn.Linear):
         new.weight = lin.weight                                              # the same Parameter object
         new.register_parameter("bias", None)
         new.fp8 = cfg
+        new.backend = backend
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.fp8)
+        return fp8_linear(x, self.weight, self.fp8, self.backend)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", fp8={self.fp8.scaling}/{self.fp8.fwd_fmt}/{self.fp8.scale_format}"
+        return super().extra_repr() + f", fp8={self.fp8.scaling}/{self.fp8.fwd_fmt}/{self.fp8.scale_format}, quantiser={self.backend}"

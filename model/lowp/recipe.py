@@ -17,7 +17,7 @@ official naming (`remove_expert_qat` restores plain parameters holding the maste
 
 Kept in high precision (`HIGH_PRECISION`, a reason per pattern on the module path; Megatron #5308 and
 DeepSeek's released checkpoint): compressors and the indexer (their projections; the indexer's QK scoring
-has its own setting, `indexer_qk`, see kernels/indexer/fp4.py), the router `gate`, mHC, norms, the embedding
+has its own setting, `indexer_qk_precision`, see kernels/indexer/fp4.py), the router `gate`, mHC, norms, the embedding
 and the output `head`, `wo_a` (its weight is read directly by the grouped einsum, never called; DeepSeek's
 convert.py dequantises it to BF16 too), and any layer owning a tensor of P1's FP32 set
 (model/precision.py `keeps_fp32`).
@@ -32,8 +32,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from dsv4.kernels.indexer.fp4 import QK_PRECISIONS
 from dsv4.model.lowp.fp8_linear import FP8Config, FP8Linear
-from dsv4.model.lowp.quant import QTensor, quantize, ste_fake_quantize
+from dsv4.kernels.quant.naive import QTensor, quantize, ste_fake_quantize
 from dsv4.model.precision import keeps_fp32
 
 HIGH_PRECISION: dict[str, str] = {
@@ -57,7 +58,8 @@ class PrecisionRecipe:
     expert_rule: str = "ocp"                     # MX scale rule: "ocp" (MX v1.0) | "ue8m0" (ceil, no clipping)
     expert_compute_dtype: torch.dtype | None = None   # dtype the experts read (None: the master's); bf16 on GPU
     expert_act_fp8: bool = False                 # fake-quantise the experts' input to e4m3 1x128 (STE)
-    indexer_qk: str = "bf16"                     # "bf16" | "fp4": the indexer's QK scoring (kernels/indexer/fp4.py)
+    indexer_qk_precision: str = "bf16"           # "bf16" | "fp8" | "fp4": the indexer's QK scoring (Indexer.qk_precision,
+                                                 # kernels/indexer/fp4.py); its weights stay high precision
     high_precision: dict[str, str] = field(default_factory=lambda: dict(HIGH_PRECISION))
 
     def __post_init__(self):
@@ -65,8 +67,9 @@ class PrecisionRecipe:
             raise ValueError(f"PrecisionRecipe.linear: None|fp8, got {self.linear!r}")
         if self.experts not in (None, "mxfp4", "mxfp4_fp8"):
             raise ValueError(f"PrecisionRecipe.experts: None|mxfp4|mxfp4_fp8, got {self.experts!r}")
-        if self.indexer_qk not in ("bf16", "fp4"):
-            raise ValueError(f"PrecisionRecipe.indexer_qk: bf16|fp4, got {self.indexer_qk!r}")
+        if self.indexer_qk_precision not in QK_PRECISIONS:
+            raise ValueError(f"PrecisionRecipe.indexer_qk_precision: {'|'.join(QK_PRECISIONS)}, "
+                             f"got {self.indexer_qk_precision!r}")
 
     def high_precision_reason(self, path: str) -> str | None:
         for pat, why in self.high_precision.items():
@@ -81,7 +84,7 @@ RECIPES = {
                                                                                       scale_format="fp32")),
     "fp8_block": lambda: PrecisionRecipe("fp8_block", linear="fp8"),            # DeepSeek-V3/V4 FP8
     "fp4_qat": lambda: PrecisionRecipe("fp4_qat", linear="fp8", experts="mxfp4_fp8", expert_act_fp8=True,
-                                       indexer_qk="fp4"),                       # seed 004
+                                       indexer_qk_precision="fp4"),             # seed 004
 }
 
 
@@ -97,6 +100,7 @@ class PrecisionReport:
     fp8: list[str] = field(default_factory=list)          # Linear paths now FP8Linear
     kept: dict[str, str] = field(default_factory=dict)    # Linear path -> why it stays high precision
     experts: list[str] = field(default_factory=list)      # Experts paths with MXFP4 QAT
+    indexers: list[str] = field(default_factory=list)     # Indexer paths given the recipe's QK precision
     notes: list[str] = field(default_factory=list)        # what the recipe asked for but this hook does not do
 
 
@@ -177,13 +181,20 @@ def _owns_fp32(path: str, mod: nn.Module) -> bool:
     return False
 
 
-def apply_precision_recipe(model: nn.Module, recipe: PrecisionRecipe | str) -> PrecisionReport:
-    """Swap the allowed nn.Linear layers to FP8Linear and enable expert QAT, in place; returns what was done."""
+def apply_precision_recipe(model: nn.Module, recipe: PrecisionRecipe | str,
+                           backend: str = "naive") -> PrecisionReport:
+    """Swap the allowed nn.Linear layers to FP8Linear (their quantiser on kernel backend `backend`; a later
+    `model.set_kernel_backend` switches it too), enable expert QAT and set every indexer's QK precision, in place;
+    returns what was done."""
+    from dsv4.model.indexer import Indexer
     from dsv4.model.moe import Experts
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
     rep = PrecisionReport()
     for path, mod in list(model.named_modules()):
+        if isinstance(mod, Indexer):
+            mod.qk_precision = recipe.indexer_qk_precision
+            rep.indexers.append(path)
         if recipe.experts and isinstance(mod, Experts):
             enable_expert_qat(mod, recipe)
             rep.experts.append(path)
@@ -197,9 +208,6 @@ def apply_precision_recipe(model: nn.Module, recipe: PrecisionRecipe | str) -> P
             continue
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        setattr(parent, child, FP8Linear.from_linear(mod, recipe.fp8))
+        setattr(parent, child, FP8Linear.from_linear(mod, recipe.fp8, backend))
         rep.fp8.append(path)
-    if recipe.indexer_qk == "fp4":
-        rep.notes.append("indexer_qk=fp4 is not wired into Indexer.forward (model/indexer.py calls "
-                         "kernels.indexer.indexer_scores); use kernels/indexer/fp4.indexer_scores_fp4 directly")
     return rep

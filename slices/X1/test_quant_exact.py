@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from dsv4.model.lowp import quant as Q
+from dsv4.kernels.quant import naive as Q
 
 # format -> (exponent bits, mantissa bits, bias, special rule)
 SPECS = {"e2m1": (2, 1, 1, "none"), "e4m3": (4, 3, 7, "fn"), "e5m2": (5, 2, 15, "ieee")}

@@ -1,4 +1,5 @@
-"""Exact quantisers (slice X1): OCP FP8 (e4m3 "fn" and e5m2), MXFP4 elements (e2m1), e8m0 / ue8m0 scales.
+"""Exact quantisers (slice X1): OCP FP8 (e4m3 "fn" and e5m2), MXFP4 elements (e2m1), e8m0 / ue8m0 scales; the
+reference of the fused Triton FP8 quantiser (kernels/quant/triton.py, op `fp8_quantize` at the end of this file).
 
 Element rounding, one formula for every format with `m` mantissa bits, smallest normal exponent `emin` and
 largest finite value `vmax`:
@@ -15,7 +16,8 @@ Scales (always applied as  x ≈ q * scale):
     "ue8m0"  scale = 2^ceil(log2(amax / vmax))     (DeepSeek's power-of-two scale: nothing saturates)
     "ocp"    scale = 2^(floor(log2 amax) - emax)   (OCP MX v1.0 shared exponent, emax = 2 for e2m1, 8 for e4m3;
                                                     the block maximum may saturate to ±vmax)
-amax = 0 (or an all-padding block) gives scale 1 ("fp32") / 2^-127 (power-of-two rules, smallest e8m0).
+amax = 0 (or an all-padding block; "fp32": or amax / vmax underflowing to 0) gives scale 1 ("fp32") / 2^-127
+(power-of-two rules, smallest e8m0).
 Power-of-two exponents are clamped to e8m0's range [-127, 127] (code = exponent + 127; 255 = NaN).
 
 Divisions are tensor / tensor on purpose: CUDA turns a division by a Python scalar into a multiplication by
@@ -103,7 +105,8 @@ def e8m0_decode(code: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class QTensor:
-    """A quantised tensor: `values` [*shape] fp32 grid values of `fmt` (exact), `scale` fp32 per block
+    """A quantised tensor: `values` [*shape] the grid values of `fmt` (exact), as fp32 or as the torch float8 tensor
+    (`fp8_quantize`'s output; the same numbers), `scale` fp32 per block
     ([*lead, ceil(R/br), ceil(C/bc)] for a 2-D block, a 0-d tensor per-tensor), x ≈ values * scale."""
     values: torch.Tensor
     scale: torch.Tensor
@@ -111,7 +114,7 @@ class QTensor:
     block: tuple[int, int] | None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return apply_scale(self.values, self.scale, self.block, "mul").to(dtype)
+        return apply_scale(self.values.float(), self.scale, self.block, "mul").to(dtype)
 
     def fp8(self) -> torch.Tensor:
         return to_torch_fp8(self.values, self.fmt)
@@ -172,7 +175,8 @@ def quantize(x: torch.Tensor, fmt: str = "e4m3", block: tuple[int, int] | None =
     amax, nonfinite = block_amax(x, block)
     vmax = FORMATS[fmt][2]
     if scale_format == "fp32":
-        scale = torch.where(amax > 0, amax / torch.full_like(amax, vmax), torch.ones_like(amax))
+        scale = amax / torch.full_like(amax, vmax)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))    # amax = 0, or amax / vmax underflowing
     elif scale_format in ("ue8m0", "ocp"):
         scale = torch.ldexp(torch.ones_like(amax), pow2_exponent(amax, fmt, scale_format))
     else:
@@ -218,3 +222,34 @@ def ste_fake_quantize(x: torch.Tensor, fmt: str, block, scale_format: str,
                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Fake quantisation with a straight-through estimator: forward = dequant(quant(x)), backward = identity."""
     return _STE.apply(x, fmt, block, scale_format, out_dtype)
+
+
+# ------------------------------------------------------------------ the op of kernels/quant (reference)
+
+FP8_BLOCKS = ((1, 128), (128, 128), None)
+
+
+def check_fp8_quantize_args(x: torch.Tensor, fmt: str, block, scale_format: str) -> None:
+    """One-line errors for what `fp8_quantize` (both backends) does not take."""
+    if x.dim() != 2:
+        raise ValueError(f"fp8_quantize: x must be 2-D [R, C], got shape {tuple(x.shape)}")
+    if fmt not in TORCH_FP8:
+        raise ValueError(f"fp8_quantize: fmt must be e4m3|e5m2, got {fmt!r}")
+    if block not in FP8_BLOCKS:
+        raise ValueError(f"fp8_quantize: block must be (1, 128), (128, 128) or None, got {block!r}")
+    if scale_format not in ("ue8m0", "fp32"):
+        raise ValueError(f"fp8_quantize: scale_format must be ue8m0|fp32, got {scale_format!r}")
+
+
+def fp8_quantize(x: torch.Tensor, fmt: str = "e4m3", block: tuple[int, int] | None = (1, 128),
+                 scale_format: str = "ue8m0", transpose: bool = False):
+    """x [R, C] -> (q [R, C] torch float8, scale): `quantize(x, fmt, block, scale_format)` with the values as
+    float8; scale fp32 [R, ceil(C/128)] (1x128), [ceil(R/128), ceil(C/128)] (128x128) or 0-d (per tensor).
+    transpose=True also returns (q_t [C, R], scale_t) = the same for x^T (the backward GEMM's operand: for 1x128
+    these are x's 128x1 tiles, along R; for 128x128 / per tensor the transposed values and scale grid)."""
+    check_fp8_quantize_args(x, fmt, block, scale_format)
+    q = quantize(x, fmt, block, scale_format)
+    if not transpose:
+        return q.fp8(), q.scale
+    qt = quantize(x.t(), fmt, block, scale_format)
+    return q.fp8(), q.scale, qt.fp8(), qt.scale
