@@ -66,9 +66,13 @@ def test_triton_matches_naive(shape, mode, ratio, k, layout):
         for n, a, b in zip(names, got, want):
             assert_close(n, a, b, 5e-5, 1e-4)
     else:                                          # bf16 operands / P in bf16 for the PV product
+        # measured on the H200 (triton 3.6, 2026-12-01, scratch relerr run): o 2.2e-3, dq 2.7e-3, dkv 1.6e-2, HCA
+        # dcomp 3.4e-3, CSA dcomp 3.8e-2 (one_doc; 2.7e-2 packed) -- the CSA entries collect dS Q + P dO from
+        # every query that lists them, each term rounded to bf16; the same kernel in fp32 matches naive to 5e-7
+        # (window path, GPU) and the tiny fp32 cases above check every branch. Bounds: 1e-2 / 2e-2, CSA dcomp 5e-2
         assert_rel("o", o, ref, 1e-2)
         for n, a, b in zip(names, got, want):
-            assert_rel(n, a, b, 2e-2)
+            assert_rel(n, a, b, 5e-2 if (n == "dcomp" and mode == "csa") else 2e-2)
 
 
 def test_no_key_but_sink_is_defined():
