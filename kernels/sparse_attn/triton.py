@@ -10,7 +10,10 @@ row u = q_offset + t; for query t and head h, ONE softmax over
   * the sink logit sink[h] (no value).
 K = V (MQA: all H heads share one kv head of width c).
 
-Schedule (flash-attention style, MQA): one program per (query t, block of BH heads). The BH heads of
+Schedule (flash-attention style, MQA): one program per (query t, block of BH heads). A key tile's load is masked
+by its address range only (rows <= u, listed idx >= 0, the slot range); visibility (document, window, entry
+completeness, from seg / pos / entry_seg / entry_j) masks the logits, so the tile load never waits on the metadata
+gathers (two levels of indirection stall the software pipeline). The BH heads of
 one query are the M dimension of the tensor-core tiles; keys stream in tiles of BN rows (window rows are
 contiguous, CSA rows are gathered by index, HCA rows are contiguous), online softmax in the exp2 domain,
 seeded with the sink (running max = sink, running sum = 1), so a query with no key is well defined.
@@ -101,15 +104,16 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EH
     lo = tl.maximum(u - window + 1, 0)
     for start in range(lo, u + 1, BN):                          # window keys u-window < s <= u
         offs_n = start + tl.arange(0, BN)
+        inrow = offs_n <= u                                     # lo >= 0: an address mask only
         valid = _window_valid(SEG, POS, offs_n, u, seg_u, pos_u, window)
-        k = tl.load(KV + offs_n[:, None] * skv_s + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        k = tl.load(KV + offs_n[:, None] * skv_s + offs_d[None, :], mask=inrow[:, None] & dmask[None, :], other=0.0)
         m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
     if MODE == 1:                                               # CSA: gathered top-k entries
         for start in range(0, NSEL, BN):
             offs_n = start + tl.arange(0, BN)
             idx = tl.load(IDX + t * si_s + offs_n, mask=offs_n < NSEL, other=-1)
             valid = _entry_valid(ESEG, EJ, idx, idx >= 0, seg_u, pos_u, ratio)
-            k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+            k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=(idx >= 0)[:, None] & dmask[None, :], other=0.0)
             m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
     if MODE == 2:                                               # HCA: every visible entry, one slot range
         e_lo = tl.load(ELO + t)
@@ -117,7 +121,7 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EH
         for start in range(e_lo, e_hi, BN):
             offs_n = start + tl.arange(0, BN)
             valid = _entry_valid(ESEG, EJ, offs_n, offs_n < e_hi, seg_u, pos_u, ratio)
-            k = tl.load(COMP + offs_n[:, None] * sc_s + offs_d[None, :], mask=valid[:, None] & dmask[None, :],
+            k = tl.load(COMP + offs_n[:, None] * sc_s + offs_d[None, :], mask=(offs_n < e_hi)[:, None] & dmask[None, :],
                         other=0.0)
             m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
     o = acc / l_i[:, None]
@@ -182,8 +186,9 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, P
     lo = tl.maximum(u - window + 1, 0)
     for start in range(lo, u + 1, BN):
         offs_n = start + tl.arange(0, BN)
+        inrow = offs_n <= u                                     # lo >= 0: an address mask only
         valid = _window_valid(SEG, POS, offs_n, u, seg_u, pos_u, window)
-        k = tl.load(KV + offs_n[:, None] * skv_s + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        k = tl.load(KV + offs_n[:, None] * skv_s + offs_d[None, :], mask=inrow[:, None] & dmask[None, :], other=0.0)
         dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
         _dk_add(DKV, offs_n, skv_s, offs_d, valid, dmask, dk, DKT)
     if MODE == 1:
@@ -191,7 +196,7 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, P
             offs_n = start + tl.arange(0, BN)
             idx = tl.load(IDX + t * si_s + offs_n, mask=offs_n < NSEL, other=-1)
             valid = _entry_valid(ESEG, EJ, idx, idx >= 0, seg_u, pos_u, ratio)
-            k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+            k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=(idx >= 0)[:, None] & dmask[None, :], other=0.0)
             dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
             _dk_add(DCOMP, idx, sc_s, offs_d, valid, dmask, dk, DKT)
     if MODE == 2:
@@ -200,7 +205,7 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, P
         for start in range(e_lo, e_hi, BN):
             offs_n = start + tl.arange(0, BN)
             valid = _entry_valid(ESEG, EJ, offs_n, offs_n < e_hi, seg_u, pos_u, ratio)
-            k = tl.load(COMP + offs_n[:, None] * sc_s + offs_d[None, :], mask=valid[:, None] & dmask[None, :],
+            k = tl.load(COMP + offs_n[:, None] * sc_s + offs_d[None, :], mask=(offs_n < e_hi)[:, None] & dmask[None, :],
                         other=0.0)
             dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
             _dk_add(DCOMP, offs_n, sc_s, offs_d, valid, dmask, dk, DKT)
@@ -231,7 +236,7 @@ def _entry_probs(Q, COMP, IDX, LSE, P, SEG, POS, ESEG, EJ, sq_s, sq_h, sc_s, si_
         offs_n = start + tl.arange(0, BN)
         idx = tl.load(IDX + t * si_s + offs_n, mask=offs_n < NSEL, other=-1)
         valid = _entry_valid(ESEG, EJ, idx, idx >= 0, seg_u, pos_u, ratio)
-        k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=(idx >= 0)[:, None] & dmask[None, :], other=0.0)
         psum = tl.zeros([BN], tl.float32)
         for h0 in range(0, H, BH):
             offs_h = h0 + tl.arange(0, BH)
