@@ -15,7 +15,6 @@ import pytest
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from dsv4.model.attention import DSv4Attention
 from dsv4.model.config import get_config
 from dsv4.model.layout import Layout, LayoutError
 from dsv4.model.losses import AuxLosses
@@ -37,14 +36,7 @@ def _thd_params(cls=PackedSeqParams):
                cu_seqlens_kv_padded=cup, max_seqlen_q=max(PADDED), max_seqlen_kv=max(PADDED)), cu, cup
 
 
-def _attn(layer):
-    torch.manual_seed(0)
-    attn = DSv4Attention(get_config("debug"), layer).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in attn.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.5) + (1.0 if p.dim() == 1 else 0))
-    return attn
+from dsv4.slices.D6.cases import _attn  # noqa: E402  (the packed-attention cases' layer builder)
 
 
 def _run(fn, attn, h):
