@@ -50,7 +50,7 @@ from dsv4.model.config import ConfigError, DSv4Config, get_config
 GIB = 2 ** 30
 H200_BYTES = 139 * GIB           # usable HBM of one H200 as `torch.cuda.mem_get_info` reports it (~139 GiB)
 CE_CHUNK = 8192                  # model/model.py head_cross_entropy's row block
-MEASURE_SEQ, MEASURE_TOPK = 200, 12   # measurement point: T, N = T/4 and k distinct from every dimension
+MEASURE_SEQ, MEASURE_TOPK = 200, 11   # measurement point: T, N = T/m, T/m' and k distinct from the config's dims
 MEASURED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "goldens", "cpu", "X4")
 
 

@@ -13,7 +13,7 @@ Per label and per saved tensor the shape is reported, classified by its dimensio
 it to any sequence length (SEQ and TOPK are chosen so that T, the entry count N = T/m and k are distinct from every
 other dimension of the config):
     "token"   bytes proportional to T: shapes with a multiple of T (T, the T*K expert slots, ...) and neither
-              N of a CSA layer nor k, or [N, ...] entries;
+              N of a CSA layer nor k, or [N, ...] entries (CSA or HCA);
     "entry"   bytes proportional to T * N_csa (shapes holding both T and the CSA entry count: the indexer's
               [T, N] scores and their loss);
     "topk"    bytes proportional to T * k (shapes holding T and k: the selected entry indices);
@@ -63,6 +63,7 @@ def measure(cfg_dict: dict, S: int, topk: int) -> dict:
         h.remove()
     N = S // cfg.csa_ratio
     k = min(topk, N)
+    Nh = S // cfg.hca_ratio
     has_csa = any(cfg.layer_kind(i) == "csa" for i in range(len(cfg.compress_ratios)))
     out: dict[str, dict] = {}
     for lab, nbytes, shape, dt in saved.values():
@@ -71,7 +72,7 @@ def measure(cfg_dict: dict, S: int, topk: int) -> dict:
             cls = "entry"
         elif has_t and k in shape:
             cls = "topk"
-        elif has_t or N in shape:
+        elif has_t or N in shape or (Nh > 1 and Nh in shape):
             cls = "token"
         else:
             cls = "const"
