@@ -82,20 +82,52 @@ def measured_path(cfg: DSv4Config) -> str:
     return os.path.join(MEASURED_DIR, f"saved_{config_hash(cfg.to_dict())}.json")
 
 
+MEASURE_MAX_EXPERTS = 16          # routed experts built for a measurement (saved tensors are per routed slot)
+
+
+def measurement_config(cfg: DSv4Config) -> tuple[DSv4Config, dict]:
+    """The config a measurement runs: one layer per distinct (attention kind, hash routing, MoE) of cfg's layers,
+    in order of first occurrence (hash layers come first, as in cfg), the MTP layer, and at most 16 routed
+    experts (a block's saved tensors are per token and per routed slot; only the router's [T, E] scores scale
+    with E, a few KB per token). Returns (config, {cfg's label: the measured label})."""
+    L = cfg.num_hidden_layers
+    keys, reps, lmap = [], [], {}
+    for i in range(L):
+        key = (cfg.compress_ratios[i], cfg.is_hash(i), cfg.is_moe(i))
+        if key not in keys:
+            keys.append(key)
+            reps.append(i)
+        lmap[f"layers.{i}"] = f"layers.{keys.index(key)}"
+    n = len(reps)
+    for j in range(cfg.num_nextn_predict_layers):
+        lmap[f"mtp.{j}"] = f"mtp.{j}"
+    lmap["top"] = "top"
+    mtp_idx = list(range(L, L + cfg.num_nextn_predict_layers))
+    E = min(cfg.n_routed_experts, max(MEASURE_MAX_EXPERTS, cfg.num_experts_per_tok))
+    pat = None if cfg.moe_layer_pattern is None else "".join(cfg.moe_layer_pattern[i] for i in reps + mtp_idx)
+    mcfg = cfg.replace(num_hidden_layers=n, compress_ratios=[cfg.compress_ratios[i] for i in reps + mtp_idx],
+                       num_hash_layers=sum(cfg.is_hash(i) for i in reps), n_routed_experts=E, moe_layer_pattern=pat)
+    return mcfg, lmap
+
+
 def measurement(cfg: DSv4Config, remeasure: bool = False) -> dict:
     """The stored measurement of cfg's saved tensors (goldens/cpu/X4/saved_<config hash>.json, written by
-    `dsv4 plan --measure`), or a fresh one (minutes on a CPU)."""
+    `dsv4 plan --measure`), or a fresh one (minutes on a CPU). Its "layer_map" maps cfg's labels to the
+    measured ones (measurement_config)."""
     path = measured_path(cfg)
     if os.path.isfile(path) and not remeasure:
         with open(path) as f:
             return json.load(f)
     from dsv4.harness.plan_measure import run_measure
-    return run_measure(cfg.to_dict(), MEASURE_SEQ, MEASURE_TOPK)
+    mcfg, lmap = measurement_config(cfg)
+    m = run_measure(mcfg.to_dict(), MEASURE_SEQ, MEASURE_TOPK)
+    m["layer_map"] = lmap
+    return m
 
 
 def block_activation_bytes(m: dict, label: str, B: int, S: int, cfg: DSv4Config, cp: int = 1) -> float:
     """Saved bytes of one block (or "top") for B rows of S tokens, this rank holding S / cp of each row."""
-    d = m["labels"][label]
+    d = m["labels"][m.get("layer_map", {}).get(label, label)]
     Sm, Nm, km = m["seq"], m["entries"], m["topk"]
     T = B * S / cp
     N = S // cfg.csa_ratio
@@ -313,10 +345,9 @@ def plan_cmd(config, overrides, tokens, seq, batch, recompute, dtype, optimizer,
 def store_measurement(cfg: DSv4Config) -> dict:
     """Measure cfg's saved tensors and store them (with provenance) under goldens/cpu/X4 (atomic write)."""
     from dsv4.harness.goldens import atomic_write_json, provenance
-    from dsv4.harness.plan_measure import run_measure
-    m = run_measure(cfg.to_dict(), MEASURE_SEQ, MEASURE_TOPK)
+    m = measurement(cfg, remeasure=True)
     m["provenance"] = provenance("cpu", config=cfg.to_dict())
-    m["provenance"]["command"] = "dsv4 plan --measure (harness/plan_measure.py, TRITON_INTERPRET=1)"
+    m["provenance"]["command"] = "dsv4 plan --config ... --measure (harness/plan_measure.py, TRITON_INTERPRET=1)"
     os.makedirs(MEASURED_DIR, exist_ok=True)
     atomic_write_json(measured_path(cfg), m)
     return m
