@@ -2,6 +2,9 @@
 
     dsv4 plan --config proxy --tokens 65536 --batch 1 --recompute --optimizer none [--dp --pp --cp --ep] [--json]
 
+The step: `--batch` B rows of S = tokens / B tokens (the global batch); dp and ep split the rows, cp the tokens of
+a row (model/parallel), pp the layers.
+
 One model, per rank, in bytes (what each term counts):
 
   parameters   every parameter in the dtype it is kept in (`--dtype bf16`: the P1 cast, FP32-kept tensors fp32);
@@ -164,6 +167,9 @@ def plan(cfg: DSv4Config, tokens: int, batch: int = 1, recompute: bool = False, 
         raise ConfigError(f"plan.cp: sequence {S} is not a multiple of cp {cp}")
     if cfg.n_routed_experts % ep:
         raise ConfigError(f"plan.ep: {cfg.n_routed_experts} experts are not a multiple of ep {ep}")
+    if batch % (dp * ep):
+        raise ConfigError(f"plan.batch: {batch} rows are not a multiple of dp * ep = {dp * ep} (dp and ep split rows)")
+    rows = batch // (dp * ep)                          # this rank's rows (model/parallel: dp and ep split rows)
     m = m if m is not None else measurement(cfg)
     pb = _param_bytes(cfg, dtype)
     elem = 2 if dtype == "bf16" else 4
@@ -183,9 +189,9 @@ def plan(cfg: DSv4Config, tokens: int, batch: int = 1, recompute: bool = False, 
         if dp > 1:
             gathered = max(pb[l]["expert"] / ep + pb[l]["muon"] + pb[l]["adamw"] for l in labels if l != "top")
         blocks = [l for l in labels if l != "top"]
-        acts = {l: block_activation_bytes(m, l, batch, S, cfg, cp) for l in labels}
+        acts = {l: block_activation_bytes(m, l, rows, S, cfg, cp) for l in labels}
         inflight = pp - s if pp > 1 else 1             # 1F1B: stage s holds pp - s micro-batches
-        T = batch * S / cp
+        T = rows * S / cp
         if recompute:
             ckpt = len(blocks) * T * cfg.hc_mult * cfg.hidden_size * elem
             A = ckpt + max(acts[l] for l in blocks) + acts["top"]
@@ -213,7 +219,7 @@ def plan(cfg: DSv4Config, tokens: int, batch: int = 1, recompute: bool = False, 
     f = flops_per_token(cfg, S)
     n_att = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
     cache = cache_elements_per_token(cfg) * tokens * elem + n_att * batch * (cfg.sliding_window + 1) * cfg.head_dim * elem
-    comm = _comm(cfg, pb, batch, S, dp, pp, cp, ep, elem)
+    comm = _comm(cfg, pb, rows, S, dp, pp, cp, ep, elem)
     res = {"config": config_name, "tokens": tokens, "batch": batch, "seq": S, "recompute": recompute, "dtype": dtype,
            "optimizer": optimizer, "dp": dp, "pp": pp, "cp": cp, "ep": ep,
            "peak_bytes": best["peak"], "peak_gib": best["peak"] / GIB,
@@ -223,6 +229,7 @@ def plan(cfg: DSv4Config, tokens: int, batch: int = 1, recompute: bool = False, 
            "stage": best["stage"],
            "generation_cache_gib": cache / GIB,
            "flops_per_step": f["total_training_flops_per_token"] * tokens,
+           "flops_per_rank": f["total_training_flops_per_token"] * tokens / (dp * ep * cp * pp),
            "flops_per_token": f["total_training_flops_per_token"],
            "comm_bytes_per_step": comm,
            "capacity_gib": capacity / GIB, "fits": best["peak"] <= capacity,
@@ -286,7 +293,8 @@ def _fmt(res: dict) -> str:
     lines.append("activations per block (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in
                                                             res["activations_per_block_gib"].items()))
     lines.append(f"generation KV cache at {res['tokens']} tokens: {res['generation_cache_gib']:.2f} GiB")
-    lines.append(f"FLOPs per step {res['flops_per_step']:.3e} ({res['flops_per_token']:.3e} per token)")
+    lines.append(f"FLOPs per step {res['flops_per_step']:.3e} ({res['flops_per_token']:.3e} per token, "
+                 f"{res['flops_per_rank']:.3e} per rank)")
     lines.append("communication per step per rank (GiB): " + ", ".join(
         f"{k} {v / GIB:.2f}" for k, v in res["comm_bytes_per_step"].items()))
     for s in res["suggestions"]:
@@ -297,7 +305,7 @@ def _fmt(res: dict) -> str:
 @click.command("plan")
 @click.option("--config", "config", required=True, help="debug|tiny|proxy|flash|pro or a JSON config file")
 @click.option("--set", "overrides", multiple=True, help="field=value override (JSON value), repeatable")
-@click.option("--tokens", type=int, default=4096, show_default=True, help="tokens per step per dp rank (B * S)")
+@click.option("--tokens", type=int, default=4096, show_default=True, help="tokens per step (the global batch, B * S)")
 @click.option("--seq", type=int, default=None, help="sequence length S (tokens = batch * seq)")
 @click.option("--batch", type=int, default=1, show_default=True)
 @click.option("--recompute/--no-recompute", default=False, show_default=True)
@@ -308,10 +316,12 @@ def _fmt(res: dict) -> str:
 @click.option("--cp", type=int, default=1)
 @click.option("--ep", type=int, default=1)
 @click.option("--capacity-gib", type=float, default=H200_BYTES / GIB, show_default=True)
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="PNG: the plan's terms at tokens/8 .. tokens (powers of two), the same settings otherwise")
 @click.option("--measure", is_flag=True, help="re-measure the saved tensors and store them under goldens/cpu/X4")
 @click.option("--json", "as_json", is_flag=True)
 def plan_cmd(config, overrides, tokens, seq, batch, recompute, dtype, optimizer, dp, pp, cp, ep, capacity_gib,
-             measure, as_json):
+             plot_path, measure, as_json):
     """Predicted peak memory per rank (parameters, gradients, optimizer, activations, workspace), FLOPs per step."""
     from dsv4.harness.flops import _load_config
     try:
@@ -334,12 +344,52 @@ def plan_cmd(config, overrides, tokens, seq, batch, recompute, dtype, optimizer,
             m = store_measurement(cfg)
         res = plan(cfg, tokens, batch, recompute, dtype, optimizer, dp, pp, cp, ep, name, m=m,
                    capacity=capacity_gib * GIB)
+        if plot_path:
+            kw = dict(batch=batch, recompute=recompute, dtype=dtype, optimizer=optimizer, dp=dp, pp=pp, cp=cp, ep=ep,
+                      config_name=name, m=m if m is not None else measurement(cfg), capacity=capacity_gib * GIB)
+            ts = sorted({max(batch * cp, tokens >> i) for i in range(4)})
+            res["plot"] = plot_plan(cfg, kw, ts, plot_path)
     except (ConfigError, ValueError, TypeError) as e:
         report_bad_input(e)
     if as_json:
         click.echo(json.dumps(res, indent=1))
     else:
         click.echo(_fmt(res))
+
+
+def plot_plan(cfg: DSv4Config, kw: dict, tokens_list: list[int], path: str, measured=None) -> str:
+    """Stacked peak terms per tokens value (the same plan otherwise), the capacity line, and measured peaks
+    (`measured`: [(tokens, bytes | None for OOM)]) -> PNG at `path` (atomic)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from dsv4.harness.goldens import atomic_savefig
+    terms = ("parameters", "gradients", "optimizer", "activations", "workspace")
+    res = [plan(cfg, t, **kw) for t in tokens_list]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = list(range(len(tokens_list)))
+    bottom = [0.0] * len(x)
+    for k in terms:
+        v = [r["breakdown_gib"][k] for r in res]
+        ax.bar(x, v, bottom=bottom, label=k)
+        bottom = [b + a for b, a in zip(bottom, v)]
+    ax.axhline(res[0]["capacity_gib"], color="k", ls="--", lw=1, label="capacity")
+    for t, b in measured or []:
+        if t in tokens_list:
+            i = tokens_list.index(t)
+            if b is None:
+                ax.annotate("OOM", (i, res[0]["capacity_gib"]), ha="center", va="bottom", color="r")
+            else:
+                ax.plot([i], [b / GIB], "r*", ms=12, label="measured" if i == 0 else None)
+    ax.set_xticks(x, [f"{t // 1024}K" for t in tokens_list])
+    ax.set_xlabel("tokens per step")
+    ax.set_ylabel("GiB per rank")
+    ax.set_title(f"dsv4 plan: {res[0]['config']} (recompute {'on' if kw.get('recompute') else 'off'})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_savefig(fig, path)
+    plt.close(fig)
+    return path
 
 
 def store_measurement(cfg: DSv4Config) -> dict:

@@ -82,7 +82,7 @@ def test_scaling_equals_a_second_measurement():
         assert abs(pred / meas - 1) <= SCALING_TOL, (lab, pred, meas)
 
 
-def test_plan_cli_json_and_bad_input():
+def test_plan_cli_json_plot_and_bad_input(tmp_path):
     cfg = get_config("proxy")
     if not os.path.isfile(measured_path(cfg)):
         pytest.fail("cannot judge: no stored proxy measurement")
@@ -94,5 +94,13 @@ def test_plan_cli_json_and_bad_input():
     assert set(doc["breakdown_gib"]) == {"parameters", "gradients", "optimizer", "activations", "workspace"}
     assert doc["breakdown_gib"]["optimizer"] == pytest.approx(2 * doc["breakdown_gib"]["parameters"])
     assert doc["flops_per_step"] > 0 and doc["generation_cache_gib"] > 0
-    r = CliRunner().invoke(plan_cmd, ["--config", "proxy", "--tokens", "4096", "--cp", "3"])
-    assert r.exit_code == 2 and "cp" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    png = tmp_path / "plan.png"
+    r = CliRunner().invoke(plan_cmd, ["--config", "proxy", "--tokens", "65536", "--recompute", "--plot", str(png)])
+    assert r.exit_code == 0 and png.read_bytes()[:4] == b"\x89PNG", r.output
+    one = plan(get_config("proxy"), 16384, 4, optimizer="none")
+    split = plan(get_config("proxy"), 16384, 4, optimizer="none", dp=2, ep=2)     # dp and ep split the 4 rows
+    assert split["breakdown_gib"]["activations"] < one["breakdown_gib"]["activations"] / 3
+    for args, field in ((["--tokens", "4096", "--cp", "3"], "cp"), (["--tokens", "4096", "--batch", "2", "--dp", "4"],
+                                                                   "batch")):
+        r = CliRunner().invoke(plan_cmd, ["--config", "proxy"] + args)
+        assert r.exit_code == 2 and field in r.output and len(r.output.strip().splitlines()) == 1, r.output
