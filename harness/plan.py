@@ -201,8 +201,8 @@ def plan(cfg: DSv4Config, tokens: int, batch: int = 1, recompute: bool = False, 
         A *= inflight
         head_ws = 0.0
         if "top" in labels and (pp == 1 or s == pp - 1):
-            rows = min(CE_CHUNK, T)
-            head_ws = rows * cfg.vocab_size * (2 + 4 + 4) + cfg.vocab_size * cfg.hidden_size * 4
+            ce_rows = min(CE_CHUNK, T)
+            head_ws = ce_rows * cfg.vocab_size * (2 + 4 + 4) + cfg.vocab_size * cfg.hidden_size * 4
         entry_ws = 0.0
         if any(cfg.layer_kind(int(l.split(".")[1]) if l.startswith("layers.") else cfg.num_hidden_layers) == "csa"
                for l in blocks):
