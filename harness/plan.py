@@ -54,7 +54,8 @@ GIB = 2 ** 30
 H200_BYTES = 139 * GIB           # usable HBM of one H200 as `torch.cuda.mem_get_info` reports it (~139 GiB)
 CE_CHUNK = 8192                  # model/model.py head_cross_entropy's row block
 MEASURE_SEQ, MEASURE_TOPK = 200, 11   # measurement point: T, N = T/m, T/m' and k distinct from the config's dims
-MEASURED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "goldens", "cpu", "X4")
+MEASURED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "slices", "X4", "measured")
+MEASURE_SEED = 0                 # harness/plan_measure.py seeds torch with it (weights, token ids)
 
 
 # ----------------------------------------------------------------------------------------------- params
@@ -114,7 +115,7 @@ def measurement_config(cfg: DSv4Config) -> tuple[DSv4Config, dict]:
 
 
 def measurement(cfg: DSv4Config, remeasure: bool = False) -> dict:
-    """The stored measurement of cfg's saved tensors (goldens/cpu/X4/saved_<config hash>.json, written by
+    """The stored measurement of cfg's saved tensors (slices/X4/measured/saved_<config hash>.json, written by
     `dsv4 plan --measure`), or a fresh one (minutes on a CPU). Its "layer_map" maps cfg's labels to the
     measured ones (measurement_config)."""
     path = measured_path(cfg)
@@ -318,7 +319,7 @@ def _fmt(res: dict) -> str:
 @click.option("--capacity-gib", type=float, default=H200_BYTES / GIB, show_default=True)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="PNG: the plan's terms at tokens/8 .. tokens (powers of two), the same settings otherwise")
-@click.option("--measure", is_flag=True, help="re-measure the saved tensors and store them under goldens/cpu/X4")
+@click.option("--measure", is_flag=True, help="re-measure the saved tensors and store them under slices/X4/measured")
 @click.option("--json", "as_json", is_flag=True)
 def plan_cmd(config, overrides, tokens, seq, batch, recompute, dtype, optimizer, dp, pp, cp, ep, capacity_gib,
              plot_path, measure, as_json):
@@ -393,10 +394,10 @@ def plot_plan(cfg: DSv4Config, kw: dict, tokens_list: list[int], path: str, meas
 
 
 def store_measurement(cfg: DSv4Config) -> dict:
-    """Measure cfg's saved tensors and store them (with provenance) under goldens/cpu/X4 (atomic write)."""
+    """Measure cfg's saved tensors and store them (with provenance) under slices/X4/measured (atomic write)."""
     from dsv4.harness.goldens import atomic_write_json, provenance
     m = measurement(cfg, remeasure=True)
-    m["provenance"] = provenance("cpu", config=cfg.to_dict())
+    m["provenance"] = provenance("cpu", config=cfg.to_dict(), seed=MEASURE_SEED)
     m["provenance"]["command"] = "dsv4 plan --config ... --measure (harness/plan_measure.py, TRITON_INTERPRET=1)"
     os.makedirs(MEASURED_DIR, exist_ok=True)
     atomic_write_json(measured_path(cfg), m)

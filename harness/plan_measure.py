@@ -33,7 +33,7 @@ def measure(cfg_dict: dict, S: int, topk: int) -> dict:
     from dsv4.model.config import DSv4Config
     from dsv4.model.model import DSv4Model
     from dsv4.model.precision import cast_model
-    torch.manual_seed(0)
+    torch.manual_seed(0)                      # harness/plan.py MEASURE_SEED
     cfg = DSv4Config.from_dict({**cfg_dict, "index_topk": topk})
     model = DSv4Model(cfg)
     cast_model(model, torch.bfloat16)

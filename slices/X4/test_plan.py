@@ -10,7 +10,7 @@ per row of a batch):
 indexer scores, before the per-row layout; the current code does not run that, so it is not a check.)
 Tolerance: 15%, issue 18's done-when ("matches the measured peaks within 15%"); an OOM point must be predicted
 above the H200's 139 GiB. The activations come from the stored measurement of the proxy's saved tensors
-(goldens/cpu/X4/saved_<config hash>.json, `dsv4 plan --config proxy --measure`); its scaling from the measured
+(slices/X4/measured/saved_<config hash>.json, `dsv4 plan --config proxy --measure`); its scaling from the measured
 sequence to others is checked live on the debug config against a second measurement (exact but for HCA's
 partial compressed slots: worst 0.66% measured, tolerance 1%).
 """
