@@ -23,6 +23,7 @@ LAZY = {   # commands that live beside the code they drive
     "flops": ("dsv4.harness.train.flops", "flops_cmd"),
     "convert": ("dsv4.harness.convert_cli", "convert_cmd"),
     "generate": ("dsv4.harness.generate_cli", "generate_cmd"),
+    "plan": ("dsv4.harness.plan", "plan_cmd"),
 }
 
 

@@ -137,16 +137,22 @@ class DSv4Cache:
                 None if self.streams is None else [r.n for r in self.streams],
                 [(comp(lc.comp), comp(lc.index)) for lc in self.layers + self.mtp_layers])
 
-    def restore(self, snap) -> None:
-        self.lengths, self.mtp_lengths, self.last_streams, sn, layers = list(snap[0]), list(snap[1]), snap[2], \
-            snap[3], snap[4]
-        if sn is not None:
-            for r, n in zip(self.streams, sn):
-                r.n = n
+    def restore(self, snap, rows=None) -> None:
+        """Roll the cache back to `snap` (from `snapshot`): every row, or only the batch rows in `rows`."""
+        lengths, mtp_lengths, last, sn, layers = snap
+        rows = range(self.B) if rows is None else rows
+        for b in rows:
+            self.lengths[b], self.mtp_lengths[b] = lengths[b], mtp_lengths[b]
+            self.last_streams[b] = last[b]
+            if sn is not None:
+                self.streams[b].n = sn[b]
         for lc, (c, i) in zip(self.layers + self.mtp_layers, layers):
             for sts, saved in ((lc.comp, c), (lc.index, i)):
-                for st, (kv, gate, n) in zip(sts or [], saved or []):
-                    st.kv, st.gate, st.entries.n = kv, gate, n
+                if sts is None:
+                    continue
+                for b in rows:
+                    kv, gate, n = saved[b]
+                    sts[b].kv, sts[b].gate, sts[b].entries.n = kv, gate, n
 
     def nbytes(self) -> int:
         n = sum(lc.nbytes() for lc in self.layers)
@@ -317,53 +323,100 @@ def mtp_step(model, cache: DSv4Cache, streams: torch.Tensor, next_ids: torch.Ten
     return model.head(y)
 
 
+def _last_slot(mask: torch.Tensor) -> torch.Tensor:
+    """mask [B, n] bool -> [B] index of each row's last real slot (0 for a row without one)."""
+    return (mask.long() * torch.arange(mask.shape[1], device=mask.device)).argmax(-1)
+
+
 @torch.no_grad()
 def speculative_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 16,
-                         eos_token_id: int | None = None) -> tuple[torch.Tensor, dict]:
-    """Greedy decoding with MTP self-speculation (depth 1), one row: the MTP head drafts token t+2 from the
-    streams of position t and token t+1; the main model verifies [t+1, draft] in one 2-token step. Accepted:
-    two tokens for one main step (plus the bonus prediction). Rejected: the cache is rolled back one token
-    (snapshot / restore) and the main model's own token is kept. Returns (new tokens [1, n], stats) -- the same
-    tokens as greedy `generate` (slices/X2/test_speculative.py)."""
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise CacheError(f"speculative_generate: one row [1, S], got {tuple(input_ids.shape)}")
+                         eos_token_id: int | None = None, attention_mask: torch.Tensor | None = None,
+                         pad_token_id: int = 0) -> tuple[torch.Tensor, dict]:
+    """Greedy decoding with MTP self-speculation (depth 1) for B rows, each accepting or rejecting on its own.
+
+    Per row: the MTP head drafts token t+2 from the streams of position t and token t+1; the main model verifies
+    [t+1, draft] in one 2-token step of every live row. A row whose draft equals the main model's token keeps
+    two tokens (the draft and the bonus prediction); a row that rejects is rolled back one token (its rows of
+    the cache restored from the snapshot, `DSv4Cache.restore(snap, rows)`), re-runs its token alone (the other
+    rows' slots are padding) and keeps the main model's token. One MTP step then advances every row (two MTP
+    positions for accepting rows, one for rejecting rows). input_ids [B, S] with attention_mask [B, S] (left /
+    right padding as in `generate`) -> (new tokens [B, n], pad_token_id after a row's eos or end; stats) -- row
+    by row the same tokens as greedy `generate` on that row alone (slices/X2/test_speculative.py)."""
+    if input_ids.dim() != 2:
+        raise CacheError(f"speculative_generate: input_ids must be [B, S], got {tuple(input_ids.shape)}")
+    if max_new_tokens < 1:
+        raise CacheError(f"speculative_generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    B, S = input_ids.shape
+    dev = input_ids.device
+    mask = torch.ones(B, S, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.to(torch.bool)
+    if not bool(mask.any(-1).all()):
+        raise CacheError("speculative_generate: a row of the prompt has no real token")
     was = model.training
     model.eval()
     try:
-        S = input_ids.shape[1]
-        cache = DSv4Cache(model, 1)
-        lg, X = forward_step(model, cache, input_ids, return_streams=True)
-        nxt = lg[0, -1].argmax()
-        out = [int(nxt)]
-        # MTP over the prompt: position t uses token t+1 (the last one: the token just chosen)
-        nid = torch.cat([input_ids[0, 1:], nxt[None]])[None]
-        d = mtp_step(model, cache, X, nid)[0, -1].argmax()
-        stats = {"main_steps": 1, "accepted": 0, "rejected": 0}
-        def done():
-            return len(out) >= max_new_tokens or (eos_token_id is not None and eos_token_id in out)
-        while not done():
+        cache = DSv4Cache(model, B)
+        ids = torch.where(mask, input_ids, torch.full_like(input_ids, pad_token_id))
+        lg, X = forward_step(model, cache, ids, mask, return_streams=True)
+        rows_ = torch.arange(B, device=dev)
+        last = _last_slot(mask)
+        nxt = lg[rows_, last].argmax(-1)                                        # [B]
+        # MTP over the prompt: each real slot gets the next real token of its row (the last one: nxt)
+        nid = torch.full_like(ids, pad_token_id)
+        for b in range(B):
+            idx = torch.nonzero(mask[b], as_tuple=False).flatten()
+            nid[b, idx] = torch.cat([ids[b, idx[1:]], nxt[b:b + 1]])
+        d = mtp_step(model, cache, X, nid, mask)[rows_, last].argmax(-1)        # [B] drafts
+        out = [[int(nxt[b])] for b in range(B)]
+        stats = {"main_steps": 1, "accepted": 0, "rejected": 0, "accepted_per_row": [0] * B,
+                 "rejected_per_row": [0] * B}
+
+        def finished(b):
+            return len(out[b]) >= max_new_tokens or (eos_token_id is not None and eos_token_id in out[b])
+
+        live = torch.tensor([not finished(b) for b in range(B)], dtype=torch.bool, device=dev)
+        while bool(live.any()):
             snap = cache.snapshot()
-            lg, X = forward_step(model, cache, torch.stack([nxt, d])[None], return_streams=True)
+            lg, X = forward_step(model, cache, torch.stack([nxt, d], 1), live[:, None].expand(B, 2).contiguous(),
+                                 return_streams=True)
             stats["main_steps"] += 1
-            a = lg[0, 0].argmax()
-            if int(a) == int(d):                                    # draft accepted: d and the bonus token
-                stats["accepted"] += 1
-                bonus = lg[0, 1].argmax()
-                out += [int(d), int(bonus)]
-                mt = mtp_step(model, cache, X, torch.stack([d, bonus])[None])
-                nxt, d = bonus, mt[0, -1].argmax()
-            else:                                                   # rejected: roll back the draft token
-                stats["rejected"] += 1
-                cache.restore(snap)
-                lg, X = forward_step(model, cache, nxt[None, None], return_streams=True)
-                a = lg[0, 0].argmax()
-                out.append(int(a))
-                mt = mtp_step(model, cache, X, a[None, None])
-                nxt, d = a, mt[0, -1].argmax()
-        if eos_token_id is not None and eos_token_id in out:
-            out = out[:out.index(eos_token_id) + 1]
-        out = out[:max_new_tokens]
-        return torch.tensor([out], dtype=input_ids.dtype, device=input_ids.device), stats
+            a = lg[:, 0].argmax(-1)
+            acc = live & (a == d)
+            rej = live & ~acc
+            bonus = lg[:, 1].argmax(-1)
+            # MTP inputs: accepting rows [d, bonus] at their two verified positions, rejecting rows [a] at one
+            mids = torch.stack([torch.where(acc, d, a), bonus], 1)
+            mmask = torch.stack([live, acc], 1)
+            streams = X.clone()
+            if bool(rej.any()):
+                rr = [b for b in range(B) if bool(rej[b])]
+                cache.restore(snap, rr)                                         # roll back the draft token
+                lr, Xr = forward_step(model, cache, nxt[:, None], rej[:, None], return_streams=True)
+                a = torch.where(rej, lr[:, 0].argmax(-1), a)
+                mids[:, 0] = torch.where(acc, d, a)
+                streams[rej, 0] = Xr[rej, 0]
+            for b in range(B):
+                if bool(acc[b]):
+                    out[b] += [int(d[b]), int(bonus[b])]
+                    stats["accepted"] += 1
+                    stats["accepted_per_row"][b] += 1
+                elif bool(rej[b]):
+                    out[b].append(int(a[b]))
+                    stats["rejected"] += 1
+                    stats["rejected_per_row"][b] += 1
+            mt = mtp_step(model, cache, streams, mids, mmask)
+            nxt = torch.where(acc, bonus, torch.where(rej, a, nxt))
+            d = torch.where(live, mt[rows_, acc.long()].argmax(-1), d)
+            live = torch.tensor([not finished(b) for b in range(B)], dtype=torch.bool, device=dev)
+        res = []
+        for o in out:
+            if eos_token_id is not None and eos_token_id in o:
+                o = o[:o.index(eos_token_id) + 1]
+            res.append(o[:max_new_tokens])
+        n = max(len(o) for o in res)
+        toks = torch.full((B, n), pad_token_id, dtype=input_ids.dtype, device=dev)
+        for b, o in enumerate(res):
+            toks[b, :len(o)] = torch.tensor(o, dtype=input_ids.dtype, device=dev)
+        return toks, stats
     finally:
         model.train(was)
 

@@ -253,3 +253,40 @@ def fp8_quantize(x: torch.Tensor, fmt: str = "e4m3", block: tuple[int, int] | No
         return q.fp8(), q.scale
     qt = quantize(x.t(), fmt, block, scale_format)
     return q.fp8(), q.scale, qt.fp8(), qt.scale
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Packed storage: two e2m1 codes per byte (DeepSeek-V4's released FP4 experts, OCP MX), e8m0 scale bytes.
+# Code = sign << 3 | exponent << 1 | mantissa (bias 1; exponent 0 = subnormal 0 / 0.5). The element of even
+# index along the last dim is the low nibble, the odd one the high nibble (transformers 5.23 `_unpack_fp4`).
+# ---------------------------------------------------------------------------------------------------------
+
+def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
+    """4-bit e2m1 codes (any int dtype, values 0..15) -> fp32 values."""
+    c = code.to(torch.int32)
+    s, e, m = (c >> 3) & 1, (c >> 1) & 3, c & 1
+    mag = torch.where(e == 0, m.float() * 0.5, torch.ldexp(1.0 + 0.5 * m.float(), e - 1))
+    return torch.where(s == 1, -mag, mag)
+
+
+def e2m1_encode(values: torch.Tensor) -> torch.Tensor:
+    """e2m1 grid values (output of round_to_format(., "e2m1")) -> uint8 codes 0..15 (-0 -> code 8)."""
+    v = values.float()
+    mag = v.abs()
+    e = torch.where(mag < 1, torch.zeros_like(mag), torch.floor(torch.log2(mag.clamp_min(1))) + 1)
+    m = torch.where(e == 0, mag * 2, mag / torch.ldexp(torch.ones_like(mag), (e - 1).to(torch.int32)) * 2 - 2)
+    sign = torch.signbit(v).to(torch.int32)
+    return ((sign << 3) | (e.to(torch.int32) << 1) | m.round().to(torch.int32)).to(torch.uint8)
+
+
+def fp4_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """[..., C/2] bytes (uint8 / int8 / float4_e2m1fn_x2) -> [..., C] fp32 e2m1 values."""
+    u = packed.contiguous().view(torch.uint8)
+    lo, hi = e2m1_decode(u & 0xF), e2m1_decode(u >> 4)
+    return torch.stack([lo, hi], -1).reshape(*u.shape[:-1], 2 * u.shape[-1])
+
+
+def fp4_pack(values: torch.Tensor) -> torch.Tensor:
+    """[..., C] e2m1 grid values (C even) -> [..., C/2] uint8, element 2j in the low nibble."""
+    c = e2m1_encode(values)
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).contiguous()

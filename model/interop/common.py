@@ -97,7 +97,11 @@ def _read_dir(directory: str) -> tuple[dict, dict[str, torch.Tensor], str]:
                 raise CheckpointError(f"{directory}: tensor {k} is in both {seen[k]} and {f}")
             sd[k], seen[k] = v, f
     where = os.path.join(directory, files[0]) if len(files) == 1 else os.path.join(directory, "*.safetensors")
-    return d, sd, where
+    from dsv4.model.interop.released import dequantize_released     # DeepSeek's FP8 / MXFP4 release formats
+    qc = d.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise CheckpointError(f"{cfg_path}: field 'quantization_config' must be an object, got {type(qc).__name__}")
+    return d, dequantize_released(sd, qc, where), where
 
 
 def _write_dir(directory: str, config: dict, sd: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,106 @@
+"""X4 / issue 18 §3: `dsv4 plan` against the peaks measured on the H200, and its scaling against measurement.
+
+Measured peaks (`torch.cuda.max_memory_allocated` of `dsv4 bench train`, proxy, bf16, Triton kernels, no optimizer:
+fwd + bwd, gradients set to None after each step) at 90be1b8, the commit after the one-layout refactor (attention
+per row of a batch):
+  goldens/h200/D9/bench_train_peers.log   4K and 16K tokens, batch 2, no recompute (printed to 0.1 GiB; the run
+                                          of scratch/h200_final.sh step 4: `--tokens 4096,16384 --batch 2`)
+  goldens/h200/D9/bench_train_long.json   64K tokens, batch 1, recompute: 52.2 GiB; 128K: out of memory.
+(bench_train.json is older, deb348db: its B=2 x 32K point ran attention over the whole B*S stream, [B*S, B*S/m]
+indexer scores, before the per-row layout; the current code does not run that, so it is not a check.)
+Tolerance: 15%, issue 18's done-when ("matches the measured peaks within 15%"); an OOM point must be predicted
+above the H200's 139 GiB. The activations come from the stored measurement of the proxy's saved tensors
+(slices/X4/measured/saved_<config hash>.json, `dsv4 plan --config proxy --measure`); its scaling from the measured
+sequence to others is checked live on the debug config against a second measurement (exact but for HCA's
+partial compressed slots: worst 0.66% measured, tolerance 1%).
+"""
+import json
+import os
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from dsv4.harness.plan import GIB, H200_BYTES, block_activation_bytes, measured_path, plan, plan_cmd
+from dsv4.model.config import get_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+H200 = os.path.join(ROOT, "goldens", "h200", "D9")
+TOL = 0.15                      # issue 18 done-when
+SCALING_TOL = 0.01              # measured worst 0.66% (HCA layer, debug) x 1.5
+
+
+def h200_points():
+    """[(tokens, batch, recompute, peak bytes | None for OOM, source)] from the stored H200 files."""
+    pts = []
+    with open(os.path.join(H200, "bench_train_peers.log")) as f:
+        for line in f:
+            m = re.match(r"ours\s+(\d+) tokens: [\d,]+ tok/s, ([\d.]+) GiB", line)
+            if m:
+                pts.append((int(m.group(1)), 2, False, float(m.group(2)) * GIB, "bench_train_peers.log"))
+    with open(os.path.join(H200, "bench_train_long.json")) as f:
+        doc = json.load(f)
+    assert doc["config"] == "proxy" and doc["provenance"]["git_sha"].startswith("90be1b8")
+    for r in doc["results"]:
+        assert r["impl"] == "ours"
+        pts.append((r["tokens"], r["batch"], r["recompute"], None if r.get("error") == "oom" else r["peak_mem_bytes"],
+                    "bench_train_long.json"))
+    return pts
+
+
+def test_plan_matches_h200_peaks():
+    cfg = get_config("proxy")
+    path = measured_path(cfg)
+    assert os.path.isfile(path), f"cannot judge: no stored measurement {path} (dsv4 plan --config proxy --measure)"
+    with open(path) as f:
+        m = json.load(f)
+    pts = h200_points()
+    assert len([p for p in pts if p[3]]) == 3 and len([p for p in pts if p[3] is None]) == 1, pts
+    for tokens, batch, rec, peak, src in pts:
+        r = plan(cfg, tokens, batch, rec, "bf16", "none", m=m)
+        if peak is None:
+            assert r["peak_bytes"] > H200_BYTES and not r["fits"], (tokens, r["peak_gib"])
+            assert r["suggestions"], r
+        else:
+            rel = r["peak_bytes"] / peak - 1
+            print(f"{src}: {tokens} tokens B={batch} recompute={rec}: plan {r['peak_gib']:.2f} GiB, "
+                  f"measured {peak / GIB:.2f} GiB ({100 * rel:+.1f}%)")
+            assert abs(rel) <= TOL, (tokens, batch, rec, r["peak_gib"], peak / GIB)
+
+
+def test_scaling_equals_a_second_measurement():
+    """Saved bytes per block measured at (S=200, k=11), scaled by shape class to (S=152, k=10), equal the bytes
+    measured there (debug config: window, CSA, HCA and MTP blocks, and the top)."""
+    from dsv4.harness.plan_measure import run_measure
+    cfg = get_config("debug")
+    m1 = run_measure(cfg.to_dict(), 200, 11)
+    m2 = run_measure(cfg.to_dict(), 152, 10)
+    assert m1["labels"]["layers.1"]["entry"] > 0 and m1["labels"]["layers.1"]["topk"] > 0   # the CSA terms exist
+    for lab, d in m2["labels"].items():
+        meas = d["token"] + d["entry"] + d["topk"] + d["const"]
+        pred = block_activation_bytes(m1, lab, 1, 152, cfg.replace(index_topk=10))
+        assert abs(pred / meas - 1) <= SCALING_TOL, (lab, pred, meas)
+
+
+def test_plan_cli_json_plot_and_bad_input(tmp_path):
+    cfg = get_config("proxy")
+    if not os.path.isfile(measured_path(cfg)):
+        pytest.fail("cannot judge: no stored proxy measurement")
+    r = CliRunner().invoke(plan_cmd, ["--config", "proxy", "--tokens", "131072", "--recompute", "--optimizer",
+                                      "adamw", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert not doc["fits"] and any("--cp" in s for s in doc["suggestions"])
+    assert set(doc["breakdown_gib"]) == {"parameters", "gradients", "optimizer", "activations", "workspace"}
+    assert doc["breakdown_gib"]["optimizer"] == pytest.approx(2 * doc["breakdown_gib"]["parameters"])
+    assert doc["flops_per_step"] > 0 and doc["generation_cache_gib"] > 0
+    png = tmp_path / "plan.png"
+    r = CliRunner().invoke(plan_cmd, ["--config", "proxy", "--tokens", "65536", "--recompute", "--plot", str(png)])
+    assert r.exit_code == 0 and png.read_bytes()[:4] == b"\x89PNG", r.output
+    one = plan(get_config("proxy"), 16384, 4, optimizer="none")
+    split = plan(get_config("proxy"), 16384, 4, optimizer="none", dp=2, ep=2)     # dp and ep split the 4 rows
+    assert split["breakdown_gib"]["activations"] < one["breakdown_gib"]["activations"] / 3
+    for args, field in ((["--tokens", "4096", "--cp", "3"], "cp"), (["--tokens", "4096", "--batch", "2", "--dp", "4"],
+                                                                   "batch")):
+        r = CliRunner().invoke(plan_cmd, ["--config", "proxy"] + args)
+        assert r.exit_code == 2 and field in r.output and len(r.output.strip().splitlines()) == 1, r.output
