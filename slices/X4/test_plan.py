@@ -75,7 +75,8 @@ def test_scaling_equals_a_second_measurement():
     cfg = get_config("debug")
     m1 = run_measure(cfg.to_dict(), 200, 11)
     m2 = run_measure(cfg.to_dict(), 152, 10)
-    assert m1["labels"]["layers.1"]["entry"] > 0 and m1["labels"]["layers.1"]["topk"] > 0   # the CSA terms exist
+    # the CSA terms exist; in sparse mode they scale with T*k (the [T, N] scores keep no graph, model/indexer.py)
+    assert m1["labels"]["layers.1"]["topk"] > 0
     for lab, d in m2["labels"].items():
         meas = d["token"] + d["entry"] + d["topk"] + d["const"]
         pred = block_activation_bytes(m1, lab, 1, 152, cfg.replace(index_topk=10))
