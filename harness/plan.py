@@ -12,7 +12,7 @@ One model, per rank, in bytes (what each term counts):
                first stage, the head and MTP on the last); / dp under FSDP (+ the largest block gathered whole).
   gradients    one per parameter, same dtype and sharding (all of them: a step ends with every gradient).
   optimizer    Muon: one momentum buffer per Muon matrix, AdamW: exp_avg + exp_avg_sq; in the parameter's dtype
-               (harness/optim.py); `none` = the bench's forward + backward (no optimizer); sharded like params.
+               (harness/train/optim.py); `none` = the bench's forward + backward (no optimizer); sharded like params.
   activations  the tensors autograd saves for backward, MEASURED (harness/plan_measure.py: one forward of the
                real model, Triton kernels on Triton's CPU interpreter, `saved_tensors_hooks`, each storage once)
                at a small sequence and scaled per block by their shapes: bytes ∝ T ("token"), ∝ T * N with
@@ -33,7 +33,7 @@ One model, per rank, in bytes (what each term counts):
                per-layer ring buffers; reported beside the training peak, not added to it.
 
 The allocator's fragmentation and the CUDA context are not counted (measured peaks are
-`torch.cuda.max_memory_allocated`, which excludes them too). FLOPs per step: harness/flops.py's per-token
+`torch.cuda.max_memory_allocated`, which excludes them too). FLOPs per step: harness/train/flops.py's per-token
 formula (the one formula) x tokens. Communication volume per step: FSDP all-gathers (forward + backward) and
 reduce-scatters of the sharded parameters, EP all-to-all of the routed slots (dispatch + combine, forward +
 backward), the pipeline's stream sends, CP's gathered compressed entries -- bytes per rank, an estimate.
