@@ -1,15 +1,12 @@
 """X4 / issue 18 §3: `dsv4 plan` against the peaks measured on the H200, and its scaling against measurement.
 
 Measured peaks (`torch.cuda.max_memory_allocated` of `dsv4 bench train`, proxy, bf16, Triton kernels, no optimizer:
-fwd + bwd, gradients set to None after each step) at 90be1b8, the commit after the one-layout refactor (attention
-per row of a batch):
-  goldens/h200/D9/bench_train_peers.log   4K and 16K tokens, batch 2, no recompute (printed to 0.1 GiB; the run
-                                          of scratch/h200_final.sh step 4: `--tokens 4096,16384 --batch 2`)
-  goldens/h200/D9/bench_train_long.json   64K tokens, batch 1, recompute: 52.2 GiB; 128K: out of memory.
-(bench_train.json is older, deb348db: its B=2 x 32K point ran attention over the whole B*S stream, [B*S, B*S/m]
-indexer scores, before the per-row layout; the current code does not run that, so it is not a check.)
-Tolerance: 15%, issue 18's done-when ("matches the measured peaks within 15%"); an OOM point must be predicted
-above the H200's 139 GiB. The activations come from the stored measurement of the proxy's saved tensors
+fwd + bwd, gradients set to None after each step) at fd78196, the commit of the stored saved-tensor measurement
+(the sparse-mode indexer loss keeps [T, k] tensors):
+  goldens/h200/D9/bench_train_peers.json  4K tokens, batch 1, no recompute: 10.21 GiB
+  goldens/h200/D9/bench_train_long.log    64K tokens, batch 1, recompute: 52.2 GiB (128K did not finish in its time
+                                          limit: not judged)
+Tolerance: 15%, issue 18's done-when ("matches the measured peaks within 15%"). The activations come from the stored measurement of the proxy's saved tensors
 (slices/X4/measured/saved_<config hash>.json, `dsv4 plan --config proxy --measure`); its scaling from the measured
 sequence to others is checked live on the debug config against a second measurement (exact but for HCA's
 partial compressed slots: worst 0.66% measured, tolerance 1%).
@@ -31,21 +28,25 @@ SCALING_TOL = 0.01              # measured worst 0.66% (HCA layer, debug) x 1.5
 
 
 def h200_points():
-    """[(tokens, batch, recompute, peak bytes | None for OOM, source)] from the stored H200 files."""
+    """[(tokens, batch, recompute, peak bytes, source)] measured on the H200 at the commit of the stored
+    saved-tensor measurement (goldens/h200/D9: bench_train_peers.json, bench_train_long.log + its provenance)."""
     pts = []
-    with open(os.path.join(H200, "bench_train_peers.log")) as f:
+    with open(os.path.join(H200, "bench_train_peers.json")) as f:
+        doc = json.load(f)
+    assert doc["config"] == "proxy"
+    sha = doc["provenance"]["git_sha"]
+    for r in doc["results"]:
+        if r["impl"] == "ours":
+            pts.append((r["tokens"], r["batch"], r["recompute"], r["peak_mem_bytes"], "bench_train_peers.json"))
+    with open(os.path.join(H200, "bench_train_long.provenance.json")) as f:
+        assert json.load(f)["provenance"]["git_sha"] == sha
+    with open(os.path.join(H200, "bench_train_long.log")) as f:
         for line in f:
             m = re.match(r"ours\s+(\d+) tokens: [\d,]+ tok/s, ([\d.]+) GiB", line)
-            if m:
-                pts.append((int(m.group(1)), 2, False, float(m.group(2)) * GIB, "bench_train_peers.log"))
-    with open(os.path.join(H200, "bench_train_long.json")) as f:
-        doc = json.load(f)
-    assert doc["config"] == "proxy" and doc["provenance"]["git_sha"].startswith("90be1b8")
-    for r in doc["results"]:
-        assert r["impl"] == "ours"
-        pts.append((r["tokens"], r["batch"], r["recompute"], None if r.get("error") == "oom" else r["peak_mem_bytes"],
-                    "bench_train_long.json"))
-    return pts
+            if m:     # bench_train's recompute threshold: 32768 tokens
+                pts.append((int(m.group(1)), 1, int(m.group(1)) >= 32768, float(m.group(2)) * GIB,
+                            "bench_train_long.log"))
+    return pts, sha
 
 
 def test_plan_matches_h200_peaks():
@@ -54,18 +55,15 @@ def test_plan_matches_h200_peaks():
     assert os.path.isfile(path), f"cannot judge: no stored measurement {path} (dsv4 plan --config proxy --measure)"
     with open(path) as f:
         m = json.load(f)
-    pts = h200_points()
-    assert len([p for p in pts if p[3]]) == 3 and len([p for p in pts if p[3] is None]) == 1, pts
+    pts, sha = h200_points()
+    assert m["provenance"]["git_sha"] == sha, "the measurement and the H200 peaks come from different commits"
+    assert len(pts) >= 2 and any(p[2] for p in pts), pts        # one plain and one recompute point at least
     for tokens, batch, rec, peak, src in pts:
         r = plan(cfg, tokens, batch, rec, "bf16", "none", m=m)
-        if peak is None:
-            assert r["peak_bytes"] > H200_BYTES and not r["fits"], (tokens, r["peak_gib"])
-            assert r["suggestions"], r
-        else:
-            rel = r["peak_bytes"] / peak - 1
-            print(f"{src}: {tokens} tokens B={batch} recompute={rec}: plan {r['peak_gib']:.2f} GiB, "
-                  f"measured {peak / GIB:.2f} GiB ({100 * rel:+.1f}%)")
-            assert abs(rel) <= TOL, (tokens, batch, rec, r["peak_gib"], peak / GIB)
+        rel = r["peak_bytes"] / peak - 1
+        print(f"{src}: {tokens} tokens B={batch} recompute={rec}: plan {r['peak_gib']:.2f} GiB, "
+              f"measured {peak / GIB:.2f} GiB ({100 * rel:+.1f}%)")
+        assert abs(rel) <= TOL, (tokens, batch, rec, r["peak_gib"], peak / GIB)
 
 
 def test_scaling_equals_a_second_measurement():
