@@ -162,11 +162,10 @@ def publish(ckpt_dir: str, tmp: str, name: str) -> str:
     return final
 
 
-def latest_checkpoint(path: str) -> str:
-    """Resolve `path` (a run dir, its checkpoints dir, or a step dir) to a complete step directory."""
-    if os.path.isfile(path):
-        read_safetensors(path)                           # a pickle / torch.save file: refused, never unpickled
-        raise CheckpointError(f"resume: {path!r} is a file; give a run dir, its checkpoints/ dir or a step dir")
+def find_step_dir(path: str) -> str | None:
+    """The complete step directory (one holding meta.json, written last by `publish`) that `path` names: the step
+    dir itself, or the `latest` pointer of a run dir or its checkpoints/ dir; None if there is none. Shared by the
+    one-device and the DCP checkpoints (harness/train/dcp_checkpoint.resolve)."""
     for base in (path, os.path.join(path, "checkpoints")):
         if os.path.isfile(os.path.join(base, "meta.json")):
             return base
@@ -176,7 +175,18 @@ def latest_checkpoint(path: str) -> str:
                 d = os.path.join(base, f.read().strip())
             if os.path.isfile(os.path.join(d, "meta.json")):
                 return d
-    raise CheckpointError(f"resume: no complete checkpoint under {path!r}")
+    return None
+
+
+def latest_checkpoint(path: str) -> str:
+    """Resolve `path` (a run dir, its checkpoints dir, or a step dir) to a complete step directory."""
+    if os.path.isfile(path):
+        read_safetensors(path)                           # a pickle / torch.save file: refused, never unpickled
+        raise CheckpointError(f"resume: {path!r} is a file; give a run dir, its checkpoints/ dir or a step dir")
+    d = find_step_dir(path)
+    if d is None:
+        raise CheckpointError(f"resume: no complete checkpoint under {path!r}")
+    return d
 
 
 def read_meta(d: str) -> dict:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dsv4.harness.train.checkpoint import CheckpointError, _fsync_dir, _write_json, publish
+from dsv4.harness.train.checkpoint import CheckpointError, _fsync_dir, _write_json, find_step_dir, publish
 
 
 def _dist() -> bool:
@@ -113,19 +113,13 @@ def save(ckpt_dir: str, step: int, parts: list, opt, meta: dict) -> str:
 
 def resolve(path: str) -> str:
     """A run dir, its checkpoints dir or a step dir -> a complete DCP step directory."""
-    for base in (path, os.path.join(path, "checkpoints")):
-        if os.path.isfile(os.path.join(base, "meta.json")) and os.path.isfile(os.path.join(base, ".metadata")):
-            return base
-        lf = os.path.join(base, "latest")
-        if os.path.isfile(lf):
-            with open(lf) as f:
-                d = os.path.join(base, f.read().strip())
-            if os.path.isfile(os.path.join(d, "meta.json")):
-                if not os.path.isfile(os.path.join(d, ".metadata")):
-                    raise CheckpointError(f"resume: {d!r} is a one-device (safetensors) checkpoint, not DCP; "
-                                          f"resume it without --dp/--pp/--cp/--ep")
-                return d
-    raise CheckpointError(f"resume: no complete DCP checkpoint under {path!r}")
+    d = find_step_dir(path)
+    if d is None:
+        raise CheckpointError(f"resume: no complete DCP checkpoint under {path!r}")
+    if not os.path.isfile(os.path.join(d, ".metadata")):
+        raise CheckpointError(f"resume: {d!r} is a one-device (safetensors) checkpoint, not DCP; "
+                              f"resume it without --dp/--pp/--cp/--ep")
+    return d
 
 
 def load(path: str, parts: list, opt) -> dict:
