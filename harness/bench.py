@@ -69,14 +69,15 @@ def _ms_events(fn, n=2):
     return a.elapsed_time(b) / n
 
 
-def _fwd_bwd(f, inputs, rep=60):
-    """(fwd ms, bwd ms) of out = f(); grads of `inputs` with a fixed random dout."""
+def _fwd_bwd(f, inputs, rep=60, ms=None):
+    """(fwd ms, bwd ms) of out = f(); grads of `inputs` with a fixed random dout; `ms` the timer (`_ms` default)."""
     import torch
-    fwd = _ms(lambda: f(), rep)
+    ms = ms or _ms
+    fwd = ms(lambda: f(), rep)
     out = f()
     outs = out if isinstance(out, tuple) else (out,)
     douts = [torch.randn_like(o) for o in outs]
-    bwd = _ms(lambda: torch.autograd.grad(outs, inputs, douts, retain_graph=True), rep)
+    bwd = ms(lambda: torch.autograd.grad(outs, inputs, douts, retain_graph=True), rep)
     return fwd, bwd
 
 
@@ -257,14 +258,7 @@ def _timer(dev):
 
 def _fwd_bwd_on(dev, f, inputs, rep=60):
     """`_fwd_bwd` with the device's timer."""
-    import torch
-    ms = _timer(dev)
-    fwd = ms(lambda: f(), rep)
-    out = f()
-    outs = out if isinstance(out, tuple) else (out,)
-    douts = [torch.randn_like(o) for o in outs]
-    bwd = ms(lambda: torch.autograd.grad(outs, inputs, douts, retain_graph=True), rep)
-    return fwd, bwd
+    return _fwd_bwd(f, inputs, rep, _timer(dev))
 
 
 def _best(kernel):
