@@ -25,8 +25,10 @@ One model, per rank, in bytes (what each term counts):
   workspace    the largest single transient on top of them (one of the two, whichever is larger): the head's
                blocked cross-entropy backward (model/model.py `_HeadCrossEntropy`: per 8192-row block the bf16
                and fp32 logits and the fp32 softmax, plus the fp32 head-gradient accumulator [V, d]), or, in a
-               CSA block, the indexer teacher's L1 normalisation (model/indexer.py `indexer_teacher`'s last line:
-               three [S, N] fp32 temporaries beside the saved target, one row at a time).
+               CSA block, three [S, N] fp32-sized temporaries: in dense mode the indexer teacher's L1
+               normalisation (model/indexer.py `indexer_teacher`'s last line), in sparse mode the [S, N] scores
+               that pick the top-k and the stable sort over them (values and int64 indices: 16 B per pair, so
+               this rule undercounts that sort by 4 B per pair; the H200 peaks stay inside 15%, X4's test).
   The sum counts everything at once (all gradients, the whole largest block, the largest transient): an upper
   bound of the step's peak by construction, no term fitted to the measured peaks.
   cache        generation: the DSv4 KV cache (model/generate.py `cache_elements_per_token`) at --tokens, plus the
