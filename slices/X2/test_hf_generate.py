@@ -25,14 +25,6 @@ CASES = {   # name: (layer types, n_hash, hca rate, index_topk)
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _hf_model(types, n_hash, hca, topk, seed=0):
     return tiny_hf_model(types, n_hash, hca, topk, seed=seed, eos_token_id=None, bos_token_id=None, pad_token_id=0)
 

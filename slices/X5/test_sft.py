@@ -33,14 +33,6 @@ CONVS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _model(seed=0):
     torch.manual_seed(seed)
     return DSv4Model(get_config("debug", seq_aux_loss_coeff=0.0, indexer_loss_coeff=0.0))
