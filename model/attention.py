@@ -167,7 +167,7 @@ class DSv4Attention(nn.Module):
             sel = _cat_selections([r[1] for r in rows])
             loss = _combine_losses([r[2] for r in rows])
         if aux is not None and sel is not None:
-            aux.add_selection(self.layer_idx, *sel)
+            aux.add_selection(*sel)
         if aux is not None and loss is not None:
             aux.add_indexer(*loss)
 

@@ -31,7 +31,8 @@ class AuxLosses:
     def __init__(self, always: bool = False):
         self.indexer: list = []       # (loss scalar, n_queries scalar tensor) per CSA layer
         self.moe: list = []           # loss scalar per score-routed MoE layer
-        self.selections: dict = {}    # layer_idx -> (idx [T, k], entry_seg [N], entry_j [N])
+        self.selections: dict = {}    # layer_idx -> (idx [T, k], entry_seg [N], entry_j [N]); key None: the
+        #                               selection of an attention called directly (a block's own container)
         self.always = always
 
     def _on(self) -> bool:
@@ -45,24 +46,28 @@ class AuxLosses:
         if self._on():
             self.moe.append(loss)
 
-    def add_selection(self, layer_idx: int, idx, entry_seg, entry_j) -> None:
+    def add_selection(self, idx, entry_seg, entry_j) -> None:
+        """Recorded under key None: the attention does not read its layer index here (under torch.compile a
+        module's int attribute is a guarded constant, one recompile per layer); `merge` files it by layer."""
         if self._on():
-            self.selections[layer_idx] = (idx, entry_seg, entry_j)
+            self.selections[None] = (idx, entry_seg, entry_j)
 
-    def merge(self, other: "AuxLosses") -> None:
-        """Add a checkpointed block's container (its forward-pass terms) to this forward's."""
+    def merge(self, other: "AuxLosses", layer_idx: int | None = None) -> None:
+        """Add a block's own container (its forward-pass terms) to this forward's; its selection is filed
+        under the block's `layer_idx`."""
         self.indexer += other.indexer
         self.moe += other.moe
-        self.selections.update(other.selections)
+        for k, v in other.selections.items():
+            self.selections[layer_idx if k is None else k] = v
 
-    def picks(self, layer_idx: int, shape: tuple[int, int] | None = None) -> torch.Tensor:
+    def picks(self, layer_idx: int | None, shape: tuple[int, int] | None = None) -> torch.Tensor:
         """The layer's selected entries as their index j inside the document (-1 = none): [T, k], or [B, S, k]
         with `shape` -- for a plain batch exactly the per-sequence entry indices."""
         idx, _, ej = self.selections[layer_idx]
         j = torch.where(idx >= 0, ej[idx.clamp(min=0)], torch.full_like(idx, -1))
         return j if shape is None else j.view(*shape, j.shape[-1])
 
-    def picks_doc(self, layer_idx: int) -> list[list[tuple[int, int]]]:
+    def picks_doc(self, layer_idx: int | None) -> list[list[tuple[int, int]]]:
         """Per query, the selected entries as (document, j) pairs in selection order."""
         idx, es, ej = self.selections[layer_idx]
         return [[(int(es[i]), int(ej[i])) for i in row if i >= 0] for row in idx.tolist()]

@@ -95,14 +95,14 @@ class DSv4Model(nn.Module):
         X = expand_streams(e, cfg.hc_mult)                                      # [B, S, n, d]
         ckpt = self.recompute and torch.is_grad_enabled()
         for layer in self.layers:
-            X = _run_block(ckpt, layer, aux, X, input_ids, layout)
+            X = run_block(ckpt, layer, aux, X, input_ids, layout)
         y = self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg, self.backend))
 
         y_mtp = None
         if len(self.mtp):
             ids_next = layout.roll_next(input_ids, 0)                           # [B, S]: token t+1 in the doc
             e_next = self.embed(ids_next)
-            y_mtp = _run_block(ckpt, self.mtp[0], aux, X, e_next, ids_next, layout)   # [B, S, d]
+            y_mtp = run_block(ckpt, self.mtp[0], aux, X, e_next, ids_next, layout)   # [B, S, d]
 
         if return_logits:
             out = DSv4Output(logits=self.head(y), mtp_logits=None if y_mtp is None else self.head(y_mtp))
@@ -212,19 +212,24 @@ class DSv4Model(nn.Module):
         return cast_model(self, torch.float32)
 
 
-def _run_block(ckpt: bool, block, aux: AuxLosses, *args):
-    """block(*args, aux), under whole-block recompute when `ckpt`. A checkpointed block records into its own
-    container, returned as an output (discarded with the re-run's outputs), so the re-run computes exactly what
-    the forward did -- the same graph, the same saved tensors, also under torch.compile -- and the forward's
-    terms are merged once."""
+def run_block(ckpt: bool, block, aux: AuxLosses, *args):
+    """block(*args, local) with a fresh container per block, merged into the forward's `aux` afterwards. A
+    block therefore always starts from the same (empty) container: under torch.compile two blocks of one kind
+    share one compiled graph (a shared container would be guarded by its length, one recompile per block).
+    Under whole-block recompute (`ckpt`) the container is an output of the checkpointed call (discarded with the
+    re-run's outputs), so the re-run computes exactly what the forward did -- the same graph, the same saved
+    tensors -- and the forward's terms are merged once."""
     if not ckpt:
-        return block(*args, aux)
+        local = AuxLosses()
+        y = block(*args, local)
+        aux.merge(local, block.layer_idx)
+        return y
 
     def run(*a):
         local = AuxLosses(always=True)
         return block(*a, local), local
     y, local = checkpoint_block(run, *args)
-    aux.merge(local)
+    aux.merge(local, block.layer_idx)
     return y
 
 

@@ -34,8 +34,7 @@ from dsv4.model.config import ConfigError
 from dsv4.model.layout import Layout
 from dsv4.model.losses import AuxLosses, assemble_losses
 from dsv4.model.mhc import expand_streams, hc_head
-from dsv4.model.model import IGNORE, DSv4Model
-from dsv4.model.recompute import checkpoint_block
+from dsv4.model.model import IGNORE, DSv4Model, run_block
 
 METRICS = ("lm loss", "mtp_1 loss", "indexer loss", "moe aux loss")
 
@@ -95,7 +94,7 @@ class PipelineChunk(nn.Module):
         ckpt = self.recompute and torch.is_grad_enabled()
         for i in self.layer_ids:
             layer = self.layers[str(i)]
-            X = checkpoint_block(layer, X, input_ids, layout, aux) if ckpt else layer(X, input_ids, layout, aux)
+            X = run_block(ckpt, layer, aux, X, input_ids, layout)
         lm = mtp = None
         if self.is_last:
             y = self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg, self.backend))
@@ -103,8 +102,7 @@ class PipelineChunk(nn.Module):
             if len(self.mtp):                                                      # MTP reads the final X
                 ids_next = layout.roll_next(input_ids, 0)
                 e_next = self.embed(ids_next)
-                y_mtp = checkpoint_block(self.mtp[0], X, e_next, ids_next, layout, aux) if ckpt else \
-                    self.mtp[0](X, e_next, ids_next, layout, aux)
+                y_mtp = run_block(ckpt, self.mtp[0], aux, X, e_next, ids_next, layout)
                 mtp = _ce_sum(self.head(y_mtp), layout.roll_next(labels, IGNORE))
         main, extra, metrics = assemble_losses(cfg, aux, lm, mtp)
         self.metrics.append({k: v.detach().double() for k, v in metrics.items()})

@@ -49,7 +49,7 @@ def test_forward_matches_loop_oracle(kind, S):
     assert err <= TOL_OUT_FP32, f"{kind} S={S}: max |out - oracle| = {err:.3g}"
     assert ref["out"].abs().max() > 0.1                     # the comparison is not vacuous
     if kind == "csa":                                       # indices exact (k = 4 < T = 9 for S = 37)
-        sel = aux.picks(1, (2, S))
+        sel = aux.picks(None, (2, S))
         for b in range(2):
             for t in range(S):
                 got = [j for j in sel[b, t].tolist() if j >= 0]
@@ -241,7 +241,7 @@ def test_no_future_leakage(kind):
             assert (y1[:, : t + 1] - y0[:, : t + 1]).abs().max().item() <= 1e-6, f"{kind}: leak into t<={t}"
             assert (y1[:, t + 1] - y0[:, t + 1]).abs().max().item() > 1e-4
             if kind == "csa":
-                assert torch.equal(aux1.picks(1)[: t + 1], aux0.picks(1)[: t + 1]), f"selection leak t<={t}"
+                assert torch.equal(aux1.picks(None)[: t + 1], aux0.picks(None)[: t + 1]), f"selection leak t<={t}"
 
 
 # ------------------------------------------------------------------------------------ short / odd / bf16
@@ -261,7 +261,7 @@ def test_shorter_than_ratio(kind, S):
     y.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in attn.parameters() if p.grad is not None)
     if kind == "csa" and S < 4:                              # no entry: every pick is -1
-        assert (aux.picks(1) == -1).all() and all(float(l) == 0 and float(n) == 0 for l, n in aux.indexer)
+        assert (aux.picks(None) == -1).all() and all(float(l) == 0 and float(n) == 0 for l, n in aux.indexer)
 
 
 @pytest.mark.parametrize("kind", ["window", "csa", "hca"])

@@ -79,9 +79,9 @@ def test_module_selection_with_all_scores_tied_is_lowest_indices_for_any_S():
     a37, a45 = AuxLosses(), AuxLosses()
     with torch.no_grad():
         attn(h[:, :37], aux=a37)
-        s37 = a37.picks(CSA, (1, 37))
+        s37 = a37.picks(None, (1, 37))
         attn(h, aux=a45)
-        s45 = a45.picks(CSA, (1, 45))
+        s45 = a45.picks(None, (1, 45))
     assert torch.equal(s37, s45[:, :37])
     for t in range(37):
         n = (t + 1) // 4
@@ -149,7 +149,7 @@ def test_loss_none_in_eval_off_and_other_layers_and_scales_with_coeff():
     cfg, attn = make_csa(seed=0)
     aux = AuxLosses()
     attn.eval(); attn(h, aux=aux)
-    assert not aux.indexer and aux.picks(CSA, (1, 21)).shape == (1, 21, 4)
+    assert not aux.indexer and aux.picks(None, (1, 21)).shape == (1, 21, 4)
     cfg, attn = make_csa(seed=0, indexer_loss_mode="off")
     aux = AuxLosses()
     attn.train(); attn(h, aux=aux)
@@ -253,7 +253,7 @@ def test_dense_mode_attends_all_entries_in_eval_too():
     aux = AuxLosses()
     with torch.no_grad():
         y = attn(h, aux=aux)
-    assert not aux.indexer and aux.picks(CSA, (1, 37)).shape == (1, 37, 4)
+    assert not aux.indexer and aux.picks(None, (1, 37)).shape == (1, 37, 4)
     # measured 9.2e-7 (ATEN default; 11 hosts), x22
     assert (y.double() - oracle_layer(cfg, CSA, attn.state_dict(), h, dense=True)["out"]).abs().max().item() <= 2e-5
     assert (y.double() - oracle_layer(cfg, CSA, attn.state_dict(), h, dense=False)["out"]).abs().max().item() > 1e-3

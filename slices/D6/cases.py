@@ -40,7 +40,7 @@ def thd_attention_csa_packed():
     """CSA layer (1) on 4 padded documents [5, 19, 3, 37] (T = 68): output and selected entries (exact), the
     entries as indices into the stream-ordered list of (non-empty) entries."""
     aux, out = _packed_attention(1)
-    idx, es, _ = aux.selections[1]
+    idx, es, _ = aux.selections[None]
     rank = torch.cumsum((es >= 0).long(), 0) - 1
     return {"out": out, "selected": torch.where(idx >= 0, rank[idx.clamp(min=0)], torch.full_like(idx, -1))}
 

@@ -58,7 +58,7 @@ def test_packed_attention_equals_separate(layer, padded):
 
     aux = AuxLosses()
     out = packed_attn(attn, h, cu, cup, aux)
-    packed = aux.picks_doc(layer) if attn.kind == "csa" else None           # (doc, j) per query
+    packed = aux.picks_doc(None) if attn.kind == "csa" else None           # (doc, j) per query
     grads = torch.autograd.grad((out * r).sum(), [h] + params, allow_unused=True)
     assert out.shape == h.shape and torch.isfinite(out).all()
     if (~real).any():
@@ -74,7 +74,7 @@ def test_packed_attention_equals_separate(layer, padded):
         ref[0, rows] = o_d[0].detach()
         loss_ref = loss_ref + (o_d * r[:, rows]).sum()
         if attn.kind == "csa":                                                  # selections identical
-            sep = aux_d.picks(layer)                                            # [L, k_d]
+            sep = aux_d.picks(None)                                            # [L, k_d]
             for t_loc, t in enumerate(rows.tolist()):
                 got = packed[t]
                 want = [(d, j) for j in sep[t_loc].tolist() if j >= 0]

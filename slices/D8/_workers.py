@@ -114,7 +114,7 @@ def cp_attention_worker(rank, ws, port, outdir, cases, megatron="cp"):
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             dist.all_reduce(g, group=group)                                    # data-parallel style sum
             grads[n] = g
-        sel = aux.picks_doc(layer) if aux.selections else None
+        sel = aux.picks_doc(None) if aux.selections else None
         res.append({"out": out.detach()[0], "h_grad": h_loc.grad[0], "grads": grads, "sel": sel})
     _finish(outdir, rank, res, megatron)
 

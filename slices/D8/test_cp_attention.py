@@ -65,7 +65,7 @@ def _oracle(layer, cu, cup, T):
         out[rows] = o.detach()
         loss = loss + (o * r[0, rows]).sum()
         if aux.selections:
-            picks = aux.picks(layer)
+            picks = aux.picks(None)
             for t_loc, t in enumerate(rows.tolist()):
                 sel[t] = [(d, j) for j in picks[t_loc].tolist() if j >= 0]
     loss.backward()

@@ -129,3 +129,19 @@ def test_train_and_bench_have_compile_flags(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert calls == [{}]
     assert "--compile" in CliRunner().invoke(bench_train_cmd, ["--help"]).output
+
+
+def test_blocks_of_one_kind_share_one_compiled_graph():
+    """Four CSA layers (layer 0 hash-routed) and the MTP block compile to 3 graphs: hash CSA, score CSA (layers
+    1-3 share it) and MTP. Each block gets its own empty loss container (model.run_block) and the attention
+    does not read its layer index, so nothing per-layer is guarded; before, the shared container's length
+    and the layer index forced one recompile per layer (and eager fall-back past Dynamo's cache limit of 8)."""
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    m = _model(num_hidden_layers=4, compress_ratios=[4, 4, 4, 4, 0])
+    cnt = CompileCounter()
+    m.compile_blocks(backend=cnt, fullgraph=True)
+    for _ in range(2):                                   # a second step compiles nothing new
+        _step(m)
+    assert cnt.frame_count == 3, cnt.frame_count
+    torch._dynamo.reset()
