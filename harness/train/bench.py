@@ -1,38 +1,84 @@
 """`dsv4 bench train`: end-to-end training throughput of our DSv4 model against Hugging Face's DeepseekV4 on
 the same config, in the same process and run (the peer measured in the same conditions).
 
-Per (implementation, tokens): fwd+bwd steps of a random-token LM batch in bf16 on one GPU, after warm-up;
-tokens/s, peak memory, and model FLOPs utilisation by our FLOP accounting (`harness/train/flops.py`) against the
-H200's dense bf16 peak (989 TFLOP/s spec; 797 measured for a large matmul — both are reported).
-Implementations: `ours` (FP32-kept tensors of P1, kernels by `--backend`), `hf_eager`, `hf_compile`
-(torch.compile default mode). OOM is recorded as such, not as a crash.
+Per (implementation, tokens): fwd+bwd steps of a random-token LM batch of `--batch` rows in bf16 on one GPU,
+after `--warmup` steps (their wall seconds, compile included, are `first_steps_s`); tokens/s, peak memory, and
+model FLOPs utilisation by our FLOP accounting (`harness/train/flops.py`) against the H200's dense bf16 peak
+(989 TFLOP/s spec; 797 measured for a large matmul — both are reported). OOM is recorded as such, not as a crash.
+
+Implementations (`--impls`, comma list):
+  ours                 our model, eager (FP32-kept tensors of P1, kernels by `--backend`)
+  ours_compile         DSv4Model.compile_blocks(): torch.compile of every block, Inductor default mode
+  ours_cudagraph       compile_blocks(mode="reduce-overhead"): CUDA graphs through Inductor's cudagraph trees
+                       (torch.compiler.cudagraph_mark_step_begin() before every step; at least 3 warm-up
+                       steps: warm-up run, record, then replays)
+  ours_packed          eager ours on packed THD rows: each of the `--batch` rows of S = tokens / batch slots
+                       holds whole documents of mixed lengths (log-uniform in [--doc-min, S], seeded) placed by
+                       the P7 scheduler (harness/train/packing.py: schedule over batch "ranks", step 0; longer
+                       documents are cut), fed as cu_seqlens / cu_seqlens_padded; tokens/s counts real tokens,
+                       MFU uses each document's own length
+  ours_packed_compile  ours_packed with compile_blocks()
+  hf_eager, hf_compile Hugging Face DeepseekV4ForCausalLM, eager / torch.compile default mode
+`--compile` (kept from before) turns `ours` into `ours_compile` and `ours_packed` into `ours_packed_compile`.
+Compiled rows carry `compile_stats` (Dynamo graphs, graph breaks, Inductor cudagraph skips during the row).
+
+`--profile`: after timing, one more step under torch.profiler (harness/train/profile_step.py `profile_summary`):
+kernel launches per step, device and host ms, top kernels and top CPU ops; no trace is kept.
+
+Output: after every row `--out` is rewritten atomically with all rows so far (a killed run keeps its finished
+rows). `--append`: rows of an existing `--out` are kept, a new row replacing the one of the same
+(impl, tokens, batch); every row carries its own git sha, backend, steps, warm-up; ratios are recomputed
+over all rows (ours_* over hf_eager / hf_compile, ours_packed over ours, compiled over eager, same tokens and
+batch). `--smoke`: the debug config, on the GPU if one is visible, else on CPU (naive kernels): checks the
+machinery, the numbers mean nothing.
 """
 from __future__ import annotations
 
 import gc
 import json
+import math
 import sys
 import time
 
 import click
+import numpy as np
 import torch
 
 H200_PEAK_BF16 = 989e12
 H200_MEASURED_MATMUL = 797e12
+
+# impl -> (family, torch.compile mode or None, packed rows)
+IMPLS = {
+    "ours": ("ours", None, False),
+    "ours_compile": ("ours", "default", False),
+    "ours_cudagraph": ("ours", "reduce-overhead", False),
+    "ours_packed": ("ours", None, True),
+    "ours_packed_compile": ("ours", "default", True),
+    "hf_eager": ("hf", None, False),
+    "hf_compile": ("hf", "default", False),
+}
+PEERS = ("hf_eager", "hf_compile")
+# (numerator, denominator) beyond ours_* over the peers: what each variant buys over its base
+PAIRS = [("ours_packed", "ours"), ("ours_packed_compile", "ours_compile"), ("ours_compile", "ours"),
+         ("ours_cudagraph", "ours"), ("ours_cudagraph", "ours_compile")]
+CUDAGRAPH_MIN_WARMUP = 3
 
 
 def _log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def build_ours(cfg, backend: str, device, compile_: bool = False):
+def build_ours(cfg, backend: str, device, compile_: bool | str = False):
+    """Our model in bf16; compile_: False | True / "default" (compile_blocks()) | a torch.compile mode."""
     from dsv4.model import DSv4Model
     from dsv4.model.precision import cast_model
     model = DSv4Model(cfg).to(device)
     cast_model(model, torch.bfloat16)
     model.set_kernel_backend(backend)
-    if compile_:
+    if compile_ is True or compile_ == "default":
         model.compile_blocks()                     # torch.compile of every block (Triton ops: custom ops)
+    elif compile_:
+        model.compile_blocks(mode=compile_)
     return model.train()
 
 
@@ -56,106 +102,329 @@ def build_hf(cfg, device, compile_: bool):
     return torch.compile(model) if compile_ else model
 
 
-def time_steps(model, B, S, V, steps, warmup, device, is_hf: bool):
+# ------------------------------------------------------------------------------------------- inputs
+def lm_inputs(B: int, S: int, V: int, device, is_hf: bool) -> dict:
+    """Model kwargs of a random-token LM batch [B, S] (seeded). Ours: the loss from row blocks of the head (no
+    [B, S, V] logits kept; same loss), see DSv4Model.forward."""
     g = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, V, (B, S), generator=g).to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    # ours: the loss from row blocks of the head (no [B, S, V] logits kept; same loss), see DSv4Model.forward
     kw = {"use_cache": False} if is_hf else {"return_logits": False}
+    return {"input_ids": ids, "labels": ids, **kw}
+
+
+def packed_inputs(B: int, S: int, V: int, device, seed: int = 0, doc_min: int = 128) -> tuple[dict, dict]:
+    """(model kwargs, packing summary) of B packed THD rows of S slots: documents with lengths log-uniform in
+    [min(doc_min, S // 8), S] (seeded) placed by the P7 scheduler over B "ranks" (step 0; its look-ahead window
+    is twice the step's capacity and 3x capacity of documents are drawn, so every row is filled). Labels are
+    the next token inside each document (materialize)."""
+    from dsv4.harness.train.packing import materialize, schedule
+    rng = np.random.default_rng(seed)
+    lo = max(1, min(doc_min, S // 8))
+    lengths, total = [], 0
+    while total < 3 * B * S:
+        n = int(round(math.exp(rng.uniform(math.log(lo), math.log(S)))))
+        lengths.append(n)
+        total += n
+    docs = [rng.integers(0, V, n) for n in lengths]
+    rows = schedule(lengths, dp_size=B, tokens_per_rank=S)[0]
+    mats = [materialize(mb, docs) for mb in rows]
+    real, padded = [], []
+    for r, (mb, m) in enumerate(zip(rows, mats)):
+        cup = m["cu_seqlens_padded"].astype(np.int64)
+        if not mb.segments or len(cup) != len(mb.segments) + 1:     # extend_last: the row ends with its last doc
+            raise RuntimeError(f"packed_inputs: row {r} has no documents or a dummy tail (internal error)")
+        real += np.diff(m["cu_seqlens"]).tolist()
+        padded += (cup[:-1] + r * S).tolist()
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(real)]), dtype=torch.int32, device=device)
+    cup = torch.tensor(padded + [B * S], dtype=torch.int32, device=device)
+    ids = torch.from_numpy(np.stack([m["tokens"] for m in mats])).to(device)
+    labels = torch.from_numpy(np.stack([m["labels"] for m in mats])).to(device)
+    info = {"doc_lengths": [[s.length for s in mb.segments] for mb in rows],
+            "real_tokens": int(sum(real)), "fill": sum(real) / (B * S),
+            "lengths": f"log-uniform [{lo}, {S}], seed {seed}; P7 schedule dp_size={B}, step 0"}
+    return {"input_ids": ids, "labels": labels, "return_logits": False, "cu_seqlens": cu,
+            "cu_seqlens_padded": cup}, info
+
+
+# ------------------------------------------------------------------------------------------- timing
+def make_step(model, inputs: dict, mark_step: bool = False):
+    """One fwd+bwd training step on fixed inputs; gradients dropped after it (no optimizer)."""
+    params = [p for p in model.parameters() if p.requires_grad]
 
     def step():
-        out = model(input_ids=ids, labels=ids, **kw)
+        if mark_step:                      # cudagraph trees: a new iteration (frees the previous one's outputs)
+            torch.compiler.cudagraph_mark_step_begin()
+        out = model(**inputs)
         out.loss.backward()
         for p in params:
             p.grad = None
+    return step
 
-    cuda = torch.device(device).type == "cuda"          # CPU: smoke runs of the same loop (no memory counters)
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_step_fn(step, steps: int, warmup: int, device) -> dict:
+    """first_steps_s (wall of each warm-up step, compile included), step_s (mean of the timed steps), peak memory
+    (CUDA; None on CPU, where this is a smoke run of the same loop)."""
+    cuda = torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    first = []
     for _ in range(warmup):
+        t = time.perf_counter()
         step()
-    if cuda:
-        torch.cuda.synchronize()
+        sync(device)
+        first.append(time.perf_counter() - t)
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
-    if cuda:
-        torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / steps
-    return {"step_s": dt, "tokens_per_s": B * S / dt,
+    sync(device)
+    return {"first_steps_s": first, "step_s": (time.perf_counter() - t0) / steps,
             "peak_mem_bytes": torch.cuda.max_memory_allocated() if cuda else None}
 
 
-def run(config: str, tokens: list[int], batch: int, steps: int, warmup: int, impls: list[str], backend: str,
-        recompute_from: int = 32768, compile_: bool = False) -> dict:
+def time_steps(model, B, S, V, steps, warmup, device, is_hf: bool):
+    """A random-token [B, S] batch timed by time_step_fn (+ tokens_per_s); used by lowp_bench too."""
+    rec = time_step_fn(make_step(model, lm_inputs(B, S, V, device, is_hf)), steps, warmup, device)
+    rec["tokens_per_s"] = B * S / rec["step_s"]
+    return rec
+
+
+def _compile_counters() -> dict:
+    from torch._dynamo.utils import counters
+    return {"graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+
+
+# ------------------------------------------------------------------------------------------- results
+def _key(r) -> tuple:
+    return (r["impl"], r["tokens"], r["batch"])
+
+
+def merge_results(old: list[dict], new: list[dict]) -> list[dict]:
+    """old rows in order, each replaced by the new row of its (impl, tokens, batch); then the other new rows."""
+    fresh = {_key(r): r for r in new}
+    out = [fresh.pop(_key(r), r) for r in old]
+    return out + [r for r in new if _key(r) in fresh]
+
+
+def ratios(results: list[dict]) -> dict:
+    """tokens/s ratios at the same tokens and batch: ours_* over each HF peer, and the PAIRS. Keys
+    `<a>_over_<b>@<tokens>` (`/b<batch>` appended where the rows hold several batches at those tokens)."""
+    ok = {_key(r): r["tokens_per_s"] for r in results if r.get("tokens_per_s")}
+    batches: dict[int, set] = {}
+    for _, T, B in ok:
+        batches.setdefault(T, set()).add(B)
+    pairs = [(a, p) for a in IMPLS if IMPLS[a][0] == "ours" for p in PEERS] + PAIRS
+    out = {}
+    for T in sorted(batches):
+        for B in sorted(batches[T]):
+            tag = f"@{T}" + (f"/b{B}" if len(batches[T]) > 1 else "")
+            for a, b in pairs:
+                if (a, T, B) in ok and (b, T, B) in ok:
+                    out[f"{a}_over_{b}{tag}"] = ok[(a, T, B)] / ok[(b, T, B)]
+    return out
+
+
+def load_existing(path, config: str, platform: str) -> list[dict]:
+    """The rows of an earlier `dsv4 bench train --out` file (for --append); each keeps or gains its git sha."""
+    from dsv4.harness.errors import BadInput
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"--append: cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0][:120]})") \
+            from None
+    if not isinstance(doc, dict) or doc.get("bench") != "train" or not isinstance(doc.get("results"), list) or \
+            not all(isinstance(r, dict) and {"impl", "tokens", "batch"} <= r.keys() for r in doc["results"]):
+        raise BadInput(f"--append: {path} is not a `dsv4 bench train` result (bench: train with results rows)")
+    if doc.get("config") != config:
+        raise BadInput(f"--append: {path} was measured on config {doc.get('config')!r}, this run is {config!r}")
+    prov = doc.get("provenance") or {}
+    if prov.get("platform", platform) != platform:
+        raise BadInput(f"--append: {path} was measured on platform {prov['platform']!r}, this run is {platform!r}")
+    sha = prov.get("git_sha")
+    return [dict(r, git_sha=r.get("git_sha", sha)) for r in doc["results"]]
+
+
+def parse_args(tokens: str, batch: int, impls: str, steps: int, warmup: int, compile_: bool) -> tuple:
+    """(tokens list, impls list) or BadInput naming the option."""
+    from dsv4.harness.errors import BadInput
+    try:
+        toks = [int(t) for t in tokens.split(",")]
+    except ValueError:
+        raise BadInput(f"--tokens: a comma list of integers, got {tokens!r}") from None
+    if batch < 1:
+        raise BadInput(f"--batch: must be >= 1, got {batch}")
+    for T in toks:
+        if T < batch or T % batch:
+            raise BadInput(f"--tokens: {T} is not a positive multiple of --batch {batch}")
+    if steps < 1 or warmup < 0:
+        raise BadInput(f"--steps / --warmup: need steps >= 1 and warmup >= 0, got {steps} / {warmup}")
+    names = [i for i in impls.split(",") if i]
+    bad = [i for i in names if i not in IMPLS]
+    if bad or not names:
+        raise BadInput(f"--impls: unknown implementation {bad[0] if bad else impls!r}; known: {', '.join(IMPLS)}")
+    if compile_:                                    # the old flag: ours compiled
+        names = [{"ours": "ours_compile", "ours_packed": "ours_packed_compile"}.get(i, i) for i in names]
+    return toks, list(dict.fromkeys(names))
+
+
+def _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, profile, doc_min) -> dict:
     from dsv4.harness.train.flops import flops_per_token
-    from dsv4.harness.goldens import provenance
+    family, mode, packed = IMPLS[impl]
+    S = T // batch
+    warm = max(warmup, CUDAGRAPH_MIN_WARMUP) if mode == "reduce-overhead" else warmup
+    rec = {"impl": impl, "tokens": T, "batch": batch, "seq": S, "steps": steps, "warmup": warm,
+           "compile_mode": mode}
+    if mode:
+        torch._dynamo.reset()
+        c0 = _compile_counters()
+    t = time.perf_counter()
+    if family == "ours":
+        rec["backend"] = backend
+        model = build_ours(cfg, backend, device, mode or False)
+        rec["recompute"] = T >= recompute_from                 # whole-block activation recompute
+        model.set_recompute(rec["recompute"])
+    else:
+        model = build_hf(cfg, device, mode is not None)
+    if packed:
+        inputs, rec["packing"] = packed_inputs(batch, S, cfg.vocab_size, device, doc_min=doc_min)
+    else:
+        inputs = lm_inputs(batch, S, cfg.vocab_size, device, family == "hf")
+    rec["build_s"] = time.perf_counter() - t
+    step = make_step(model, inputs, mark_step=mode == "reduce-overhead")
+    rec.update(time_step_fn(step, steps, warm, device))
+    if packed:
+        lens = [n for row in rec["packing"]["doc_lengths"] for n in row]
+        ntok = sum(lens)
+        per = {n: flops_per_token(cfg, n)["total_training_flops_per_token"] for n in set(lens)}
+        f = sum(n * per[n] for n in lens) / ntok           # each document at its own length
+        rec["slot_tokens_per_s"] = T / rec["step_s"]
+    else:
+        ntok = T
+        f = flops_per_token(cfg, S)["total_training_flops_per_token"]
+    rec["tokens_per_s"] = ntok / rec["step_s"]
+    rec["model_tflops"] = f * rec["tokens_per_s"] / 1e12
+    rec["mfu_vs_989"] = f * rec["tokens_per_s"] / H200_PEAK_BF16
+    rec["mfu_vs_797_measured"] = f * rec["tokens_per_s"] / H200_MEASURED_MATMUL
+    if mode:
+        c1 = _compile_counters()
+        rec["compile_stats"] = {k: c1[k] - c0[k] for k in c0}
+    if profile:
+        from dsv4.harness.train.profile_step import profile_summary
+        rec["profile"] = profile_summary(step, device)
+    del model, step, inputs
+    return rec
+
+
+def _progress(rec) -> str:
+    head = f"{rec['impl']:10} {rec['tokens']:>6} tokens: "
+    if "error" in rec:
+        return head + ("OOM" if rec["error"] == "oom" else rec["error"])
+    mem = "n/a" if rec["peak_mem_bytes"] is None else f"{rec['peak_mem_bytes'] / 2**30:.1f}"
+    line = head + f"{rec['tokens_per_s']:,.0f} tok/s, {mem} GiB, MFU {100 * rec['mfu_vs_989']:.1f}%, " \
+        f"warm-up {sum(rec['first_steps_s']):.1f}s"
+    if "profile" in rec:
+        p = rec["profile"]
+        line += f", {p['launches_per_step']} {p['launch_unit']}s/step, host {p['host_ms']:.0f} ms"
+        line += "" if p["device_ms"] is None else f", device {p['device_ms']:.0f} ms"
+    if "compile_stats" in rec:
+        line += ", " + " ".join(f"{k}={v}" for k, v in rec["compile_stats"].items())
+    return line
+
+
+def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: int, impls: list[str],
+        backend: str | None = None, recompute_from: int = 32768, compile_: bool = False, *, smoke: bool = False,
+        profile: bool = False, out=None, append: bool = False, doc_min: int = 128) -> dict:
+    """Measure every (impl, tokens) row; after each, `out` (if given) is rewritten atomically with every row so
+    far (merged into its earlier rows under `append`). Returns the document written."""
+    import os
+
+    from dsv4.harness.errors import BadInput, need_cuda
+    from dsv4.harness.goldens import atomic_write_json, git_sha, provenance
     from dsv4.model.config import get_config
-    from dsv4.harness.errors import need_cuda
-    need_cuda("dsv4 bench train")
-    device = torch.device("cuda")
+    toks, names = parse_args(",".join(map(str, tokens)), batch, ",".join(impls), steps, warmup, compile_)
+    config = config or ("debug" if smoke else "proxy")
+    if append and not out:
+        raise BadInput("--append: needs --out (the file to add the rows to)")
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+    elif smoke:
+        device = torch.device("cpu")
+    else:
+        need_cuda("dsv4 bench train")
+    backend = backend or ("triton" if device.type == "cuda" else "naive")
     cfg = get_config(config)
-    results = []
-    for impl in impls:
-        for T in tokens:
-            S = T // batch
-            rec = {"impl": impl, "tokens": T, "batch": batch, "seq": S}
-            model = None
+    platform = "h200" if device.type == "cuda" else "cpu"
+    old = load_existing(out, config, platform) if append and os.path.exists(out) else []
+    prov = provenance(platform, config=cfg.to_dict())
+    if smoke:
+        prov["smoke"] = f"{config} on {device.type}: checks the machinery, the numbers mean nothing"
+    sha, dirty = git_sha()
+    where = {"git_sha": sha, "git_dirty": dirty, "created": prov["created"], "torch": torch.__version__,
+             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    new: list[dict] = []
+
+    def doc():
+        rows = merge_results(old, new)
+        return {"bench": "train", "config": config, "backend": backend, "steps": steps, "warmup": warmup,
+                "recompute_from_tokens": recompute_from,
+                "compile": any(r["impl"] in ("ours_compile", "ours_cudagraph", "ours_packed_compile")
+                               for r in rows),
+                "results": rows, "ratios": ratios(rows), "provenance": prov}
+
+    for impl in names:
+        for T in toks:
             try:
-                model = build_ours(cfg, backend, device, compile_) if impl == "ours" else \
-                    build_hf(cfg, device, impl == "hf_compile")
-                if impl == "ours":
-                    rec["recompute"] = T >= recompute_from       # whole-block activation recompute
-                    model.set_recompute(rec["recompute"])
-                rec.update(time_steps(model, batch, S, cfg.vocab_size, steps, warmup, device, impl != "ours"))
-                f = flops_per_token(cfg, S)["total_training_flops_per_token"]
-                rec["model_tflops"] = f * rec["tokens_per_s"] / 1e12
-                rec["mfu_vs_989"] = f * rec["tokens_per_s"] / H200_PEAK_BF16
-                rec["mfu_vs_797_measured"] = f * rec["tokens_per_s"] / H200_MEASURED_MATMUL
-                _log(f"{impl:10} {T:>6} tokens: {rec['tokens_per_s']:,.0f} tok/s, "
-                     f"{rec['peak_mem_bytes'] / 2**30:.1f} GiB, MFU {100 * rec['mfu_vs_989']:.1f}%")
+                rec = _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, profile, doc_min)
             except torch.OutOfMemoryError:
-                rec["error"] = "oom"
-                _log(f"{impl:10} {T:>6} tokens: OOM")
+                rec = {"impl": impl, "tokens": T, "batch": batch, "seq": T // batch, "error": "oom"}
             except Exception as e:  # noqa: BLE001 - a peer failing is a result, recorded with its reason
-                rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                _log(f"{impl:10} {T:>6} tokens: {rec['error']}")
-            results.append(rec)
-            del model
+                rec = {"impl": impl, "tokens": T, "batch": batch, "seq": T // batch,
+                       "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            rec.update(where)
+            new.append(rec)
+            _log(_progress(rec))
+            if IMPLS[impl][1]:             # compiled: drop Dynamo's caches and the cudagraph trees' memory pool
+                torch._dynamo.reset()
             gc.collect()
-            torch.cuda.empty_cache()
-    by = {(r["impl"], r["tokens"]): r for r in results}
-    ratios = {}
-    for T in tokens:
-        o = by.get(("ours", T), {}).get("tokens_per_s")
-        for peer in ("hf_eager", "hf_compile"):
-            p = by.get((peer, T), {}).get("tokens_per_s")
-            if o and p:
-                ratios[f"ours_over_{peer}@{T}"] = o / p
-    return {"bench": "train", "config": config, "backend": backend, "compile": compile_, "steps": steps,
-            "warmup": warmup,
-            "recompute_from_tokens": recompute_from,
-            "results": results, "ratios": ratios, "provenance": provenance("h200", config=cfg.to_dict())}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if out:
+                atomic_write_json(out, doc())
+    return doc()
 
 
 @click.command("train")
-@click.option("--config", default="proxy")
+@click.option("--config", default=None, help="Model config (default proxy; debug under --smoke).")
 @click.option("--tokens", default="4096,8192", help="Comma list of tokens per step (B * S).")
-@click.option("--batch", default=2, type=int)
+@click.option("--batch", default=2, type=int, help="Rows per step (packed impls: packed rows of tokens / batch).")
 @click.option("--steps", default=5, type=int)
-@click.option("--warmup", default=2, type=int)
-@click.option("--impls", default="ours,hf_eager,hf_compile")
-@click.option("--backend", default="triton", type=click.Choice(["naive", "triton"]))
+@click.option("--warmup", default=2, type=int, help="Untimed steps first (compile happens here; cudagraph: >= 3).")
+@click.option("--impls", default="ours,hf_eager,hf_compile", help=f"Comma list of: {', '.join(IMPLS)}.")
+@click.option("--backend", default=None, type=click.Choice(["naive", "triton"]),
+              help="Ours' kernels (default triton on a GPU, naive on CPU).")
 @click.option("--recompute-from", default=32768, type=int,
               help="Ours: recompute block activations in backward from this many tokens per step on.")
-@click.option("--compile", "compile_", is_flag=True, help="Ours: torch.compile every block.")
-@click.option("--out", "out", default=None, type=click.Path(dir_okay=False))
+@click.option("--compile", "compile_", is_flag=True,
+              help="Ours: torch.compile every block (ours -> ours_compile, ours_packed -> ours_packed_compile).")
+@click.option("--profile", is_flag=True, help="Profile one extra step per row; a summary is stored with it.")
+@click.option("--doc-min", default=128, type=int, help="Packed impls: shortest document drawn (tokens).")
+@click.option("--out", "out", default=None, type=click.Path(dir_okay=False),
+              help="JSON written atomically after every row.")
+@click.option("--append", is_flag=True, help="Keep the rows already in --out (same impl/tokens/batch replaced).")
+@click.option("--smoke", is_flag=True, help="The debug config; on CPU (naive kernels) when no GPU is visible.")
 @click.option("--json", "as_json", is_flag=True)
-def bench_train_cmd(config, tokens, batch, steps, warmup, impls, backend, recompute_from, compile_, out, as_json):
-    """Training tokens/s, peak memory and MFU of ours vs Hugging Face DeepseekV4 (eager, compiled)."""
-    doc = run(config, [int(t) for t in tokens.split(",")], batch, steps, warmup, impls.split(","), backend,
-              recompute_from, compile_)
-    if out:
-        from dsv4.harness.goldens import atomic_write_json
-        atomic_write_json(out, doc)
+def bench_train_cmd(config, tokens, batch, steps, warmup, impls, backend, recompute_from, compile_, profile,
+                    doc_min, out, append, smoke, as_json):
+    """Training tokens/s, peak memory and MFU of ours (eager, compiled, CUDA graphs, packed) vs Hugging Face
+    DeepseekV4 (eager, compiled)."""
+    toks, names = parse_args(tokens, batch, impls, steps, warmup, False)
+    doc = run(config, toks, batch, steps, warmup, names, backend, recompute_from, compile_, smoke=smoke,
+              profile=profile, out=out, append=append, doc_min=doc_min)
     click.echo(json.dumps(doc, indent=1))    # the result, with or without --json (progress went to stderr)

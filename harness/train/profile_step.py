@@ -1,10 +1,16 @@
-"""Profile one fwd+bwd training step of our DSv4 model on a GPU (torch.profiler), for `dsv4 bench train` work.
+"""Profile one fwd+bwd training step (torch.profiler): the summary `dsv4 bench train --profile` stores with each
+result, and a command writing the full tables for our model on a GPU.
 
     python -m dsv4.harness.train.profile_step --tokens 4096 --out DIR [--recompute-from 32768] [--backend triton]
 
-Writes DIR/profile_<T>.txt: key_averages sorted by CUDA time (self and total), with record_function ranges
-around each block's attention / FFN / mHC and the heads (forward only; backward kernels are listed by name),
-plus step time and peak memory. Not a benchmark: timings under the profiler carry its overhead.
+`profile_summary(step, device)`: one step under the profiler (CUDA activity on a GPU, CPU otherwise) ->
+launches_per_step (device kernel events; on CPU, CPU op events: `launch_unit` says which), device_ms (sum of
+kernel time; None on CPU), host_ms (wall of the profiled step), host_launch_calls (CUDA runtime launch calls,
+cudaGraphLaunch included), the top 15 kernels by device time and the top 10 CPU ops by self CPU time.
+
+The command writes DIR/profile_<T>.txt: key_averages sorted by CUDA time (self and total), with record_function
+ranges around each block's attention / FFN / mHC and the heads (forward only; backward kernels are listed by
+name), plus step time and peak memory. Not a benchmark: timings under the profiler carry its overhead.
 """
 from __future__ import annotations
 
@@ -13,6 +19,9 @@ import os
 import time
 
 import torch
+
+_LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
+                 "cudaGraphLaunch", "cudaLaunchCooperativeKernel")
 
 
 def _label(model):
@@ -35,6 +44,77 @@ def _label(model):
             mod.register_forward_hook(post)
 
 
+def profile_once(step, device):
+    """(profiler, host seconds) of one call of `step` under torch.profiler, the device synchronised around it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dsv4.harness.train.bench import sync
+    cuda = torch.device(device).type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(device)
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        step()
+        sync(device)
+        host_s = time.perf_counter() - t
+    return prof, host_s
+
+
+def _annotation(e) -> bool:
+    return bool(getattr(e, "is_user_annotation", False)) or \
+        str(getattr(e, "activity_type", "") or "").endswith("user_annotation")
+
+
+def _top(groups: dict, total_us: float, n: int) -> list[dict]:
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])[:n]
+    return [{"name": k[:80], "ms": us / 1e3, "count": c, "share": us / total_us if total_us else 0.0}
+            for k, (us, c) in rows]
+
+
+def summarize(prof, host_s: float, top_kernels: int = 15, top_ops: int = 10) -> dict:
+    """The compact summary of one profiled step (see the module docstring); no trace is kept."""
+    from torch.autograd import DeviceType
+    evs = prof.events()
+    kernels, ops, launch_calls = {}, {}, 0
+    n_kernels = n_ops = 0
+    device_us = cpu_self_us = 0.0
+    for e in evs:
+        if _annotation(e):
+            continue
+        if e.device_type == DeviceType.CPU:
+            if e.name in _LAUNCH_CALLS:
+                launch_calls += 1
+            us = e.self_cpu_time_total
+            n_ops += 1
+            cpu_self_us += us
+            a = ops.setdefault(e.name, [0.0, 0])
+        else:
+            if e.name.startswith(("Memcpy", "Memset")) or \
+                    str(getattr(e, "activity_type", "") or "") in ("gpu_memcpy", "gpu_memset"):
+                continue
+            us = e.time_range.end - e.time_range.start
+            n_kernels += 1
+            device_us += us
+            a = kernels.setdefault(e.name, [0.0, 0])
+        a[0] += us
+        a[1] += 1
+    on_device = n_kernels > 0
+    return {"launch_unit": "kernel" if on_device else "cpu_op",
+            "launches_per_step": n_kernels if on_device else n_ops,
+            "cpu_ops_per_step": n_ops,
+            "host_launch_calls": launch_calls if on_device else None,
+            "device_ms": device_us / 1e3 if on_device else None,
+            "host_ms": host_s * 1e3,
+            "top_kernels": _top(kernels, device_us, top_kernels),
+            "top_cpu_ops": _top(ops, cpu_self_us, top_ops),
+            "note": "one step under torch.profiler (its overhead included); shares of the summed time"}
+
+
+def profile_summary(step, device, top_kernels: int = 15, top_ops: int = 10) -> dict:
+    prof, host_s = profile_once(step, device)
+    return summarize(prof, host_s, top_kernels, top_ops)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="proxy")
@@ -44,9 +124,7 @@ def main(argv=None):
     ap.add_argument("--recompute-from", type=int, default=32768)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
-    from torch.profiler import ProfilerActivity, profile
-
-    from dsv4.harness.train.bench import build_ours
+    from dsv4.harness.train.bench import build_ours, lm_inputs, make_step, time_step_fn
     from dsv4.model.config import get_config
     cfg = get_config(args.config)
     dev = torch.device("cuda")
@@ -55,28 +133,10 @@ def main(argv=None):
         model = build_ours(cfg, args.backend, dev)
         model.set_recompute(T >= args.recompute_from)
         _label(model)
-        ids = torch.randint(0, cfg.vocab_size, (args.batch, S), device=dev)
-        params = [p for p in model.parameters() if p.requires_grad]
-
-        def step():
-            out = model(input_ids=ids, labels=ids, return_logits=False)
-            out.loss.backward()
-            for p in params:
-                p.grad = None
-
-        torch.cuda.reset_peak_memory_stats()
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        dt = (time.perf_counter() - t0) / 3
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
+        step = make_step(model, lm_inputs(args.batch, S, cfg.vocab_size, dev, False))
+        t = time_step_fn(step, 3, 2, dev)
+        dt, peak = t["step_s"], t["peak_mem_bytes"] / 2**30
+        prof, _ = profile_once(step, dev)
         ka = prof.key_averages()
         head = f"T={T} B={args.batch} S={S} step {dt * 1e3:.1f} ms, {T / dt:,.0f} tok/s, peak {peak:.1f} GiB\n"
         txt = head + ka.table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=70) + \
@@ -85,7 +145,7 @@ def main(argv=None):
             f.write(txt)
         print(head, flush=True)
         print(ka.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
-        del model, prof
+        del model, prof, step
         torch.cuda.empty_cache()
 
 

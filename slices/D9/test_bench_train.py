@@ -1,0 +1,168 @@
+"""`dsv4 bench train` (issue 13) on the debug config on CPU (`--smoke`): rows of ours and of packed THD rows from
+the P7 scheduler, the compiled impls' wiring, the profile summary, incremental atomic output, --append merging
+by (impl, tokens, batch) with ratios over all rows, and one-line exit-2 refusals. The numbers mean nothing here;
+what is checked is what the H200 run will store."""
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dsv4.harness.train import bench
+from dsv4.harness.train.bench import bench_train_cmd, run
+from dsv4.model.model import DSv4Model
+
+
+def _run(tmp_path, impls, tokens, batch=1, **kw):
+    kw.setdefault("steps", 1)
+    kw.setdefault("warmup", 1)
+    return run(None, tokens, batch, kw.pop("steps"), kw.pop("warmup"), impls, smoke=True,
+               out=str(tmp_path / "b.json"), **kw)
+
+
+def _rows(doc):
+    return {(r["impl"], r["tokens"], r["batch"]): r for r in doc["results"]}
+
+
+def test_ours_and_packed_rows(tmp_path, monkeypatch):
+    seen = []
+    orig = DSv4Model.forward
+
+    def spy(self, *a, **kw):
+        seen.append((kw.get("cu_seqlens"), kw.get("cu_seqlens_padded"), kw["input_ids"].shape))
+        return orig(self, *a, **kw)
+    monkeypatch.setattr(DSv4Model, "forward", spy)
+    doc = _run(tmp_path, ["ours", "ours_packed"], [512], batch=2, doc_min=16)
+    assert json.loads((tmp_path / "b.json").read_text()) == doc
+    rows = _rows(doc)
+    for r in rows.values():
+        assert "error" not in r, r
+        assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0
+        assert len(r["first_steps_s"]) == 1 and r["first_steps_s"][0] > 0
+        assert r["git_sha"] and 0 < r["mfu_vs_989"] < 1
+    assert all(cu is None for cu, _, _ in seen[:2])                 # ours: 2 plain documents of 256
+    (cu, cup, shape), = set((tuple(c.tolist()), tuple(p.tolist()), s) for c, p, s in seen[2:])
+    assert shape == (2, 256) and cup[-1] == 512 and 256 in cup     # no document crosses the row boundary
+    lens = [b - a for a, b in zip(cu, cu[1:])]
+    assert len(lens) >= 4 and len(set(lens)) >= 3, lens             # several documents of mixed lengths
+    p = rows[("ours_packed", 512, 2)]["packing"]
+    assert [n for row in p["doc_lengths"] for n in row] == lens and p["real_tokens"] == cu[-1]
+    assert all(len(row) >= 2 for row in p["doc_lengths"]) and 0.8 < p["fill"] <= 1
+    packed = rows[("ours_packed", 512, 2)]
+    assert packed["tokens_per_s"] == pytest.approx(cu[-1] / packed["step_s"])    # real tokens, not slots
+    assert doc["ratios"]["ours_packed_over_ours@512"] == \
+        pytest.approx(packed["tokens_per_s"] / rows[("ours", 512, 2)]["tokens_per_s"])
+
+
+def test_compiled_impls_call_compile_blocks_and_mark_cudagraph_steps(tmp_path, monkeypatch):
+    """ours_compile -> compile_blocks(); ours_cudagraph -> compile_blocks(mode="reduce-overhead") and one
+    cudagraph_mark_step_begin per step, at least 3 warm-up steps (spied: Inductor on CPU takes minutes)."""
+    calls, marks = [], []
+    monkeypatch.setattr(DSv4Model, "compile_blocks", lambda self, **kw: calls.append(kw) or self)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    doc = _run(tmp_path, ["ours_compile", "ours_cudagraph"], [128], steps=2, warmup=1)
+    assert calls == [{}, {"mode": "reduce-overhead"}]
+    rows = _rows(doc)
+    assert rows[("ours_compile", 128, 1)]["warmup"] == 1 and rows[("ours_cudagraph", 128, 1)]["warmup"] == 3
+    assert len(marks) == 3 + 2
+    assert set(rows[("ours_cudagraph", 128, 1)]["compile_stats"]) == {"graphs", "graph_breaks", "cudagraph_skips"}
+    assert bench.parse_args("128", 1, "ours,ours_packed,hf_eager", 1, 1, True)[1] == \
+        ["ours_compile", "ours_packed_compile", "hf_eager"]                  # the old --compile flag
+
+
+def test_profile_summary_on_cpu(tmp_path):
+    doc = _run(tmp_path, ["ours"], [128], profile=True)
+    p = doc["results"][0]["profile"]
+    assert p["launch_unit"] == "cpu_op" and p["launches_per_step"] == p["cpu_ops_per_step"] > 100
+    assert p["device_ms"] is None and p["top_kernels"] == [] and p["host_ms"] > 0
+    ops = p["top_cpu_ops"]
+    assert len(ops) == 10 and all(len(o["name"]) <= 80 and o["count"] >= 1 for o in ops)
+    assert [o["ms"] for o in ops] == sorted((o["ms"] for o in ops), reverse=True)
+    assert 0 < sum(o["share"] for o in ops) <= 1 + 1e-9
+    assert any(o["name"] in ("aten::mm", "aten::addmm", "aten::bmm") for o in ops)
+
+
+def test_profile_summary_of_device_events():
+    """The GPU path of `summarize` on a stand-in profiler: kernels counted and ranked, memcpy / annotations left
+    out, runtime launch calls counted on the host."""
+    from torch.autograd import DeviceType
+
+    from dsv4.harness.train.profile_step import summarize
+
+    def ev(name, dev, us, act="kernel", ann=False):
+        return SimpleNamespace(name=name, device_type=dev, time_range=SimpleNamespace(start=0, end=us),
+                               self_cpu_time_total=us, is_user_annotation=ann, activity_type=act)
+    C, G = DeviceType.CPU, DeviceType.CUDA
+    evs = [ev("k" * 100, G, 300), ev("gemm", G, 100), ev("gemm", G, 100), ev("Memcpy HtoD", G, 50, "gpu_memcpy"),
+           ev("## block ##", G, 900, "gpu_user_annotation", True), ev("cudaLaunchKernel", C, 5, "cuda_runtime"),
+           ev("cudaGraphLaunch", C, 7, "cuda_runtime"), ev("aten::mm", C, 20, "cpu_op")]
+    s = summarize(SimpleNamespace(events=lambda: evs), 0.002)
+    assert s["launch_unit"] == "kernel" and s["launches_per_step"] == 3 and s["device_ms"] == pytest.approx(0.5)
+    assert s["host_launch_calls"] == 2 and s["host_ms"] == pytest.approx(2.0) and s["cpu_ops_per_step"] == 3
+    assert [(k["name"], k["count"]) for k in s["top_kernels"]] == [("k" * 80, 1), ("gemm", 2)]
+    assert s["top_kernels"][1]["share"] == pytest.approx(0.4)
+    assert s["top_cpu_ops"][0]["name"] == "aten::mm"
+
+
+def test_incremental_write_keeps_finished_rows(tmp_path, monkeypatch):
+    """After each row --out holds every finished row: a run killed in its second row leaves a valid file."""
+    orig, n = bench._row, []
+
+    def row(*a, **kw):
+        n.append(1)
+        if len(n) == 2:
+            raise KeyboardInterrupt                         # not caught as a failed row: the process dies here
+        return orig(*a, **kw)
+    monkeypatch.setattr(bench, "_row", row)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, ["ours"], [128, 256])
+    doc = json.loads((tmp_path / "b.json").read_text())
+    assert [(r["impl"], r["tokens"]) for r in doc["results"]] == [("ours", 128)]
+    assert doc["bench"] == "train" and doc["provenance"]["git_sha"]
+
+
+def test_append_merges_and_replaces_by_key(tmp_path, monkeypatch):
+    out = tmp_path / "b.json"
+    old = {"bench": "train", "config": "debug", "provenance": {"git_sha": "0" * 40},    # older format: no row sha
+           "results": [{"impl": "hf_eager", "tokens": 128, "batch": 1, "seq": 128, "tokens_per_s": 100.0}]}
+    out.write_text(json.dumps(old))
+    args = ["--smoke", "--batch", "1", "--steps", "1", "--warmup", "0", "--impls", "ours",
+            "--out", str(out), "--append"]
+    monkeypatch.setenv("DSV4_GIT_SHA", "a" * 40)
+    r = CliRunner().invoke(bench_train_cmd, args + ["--tokens", "128,256"])
+    assert r.exit_code == 0, r.output
+    monkeypatch.setenv("DSV4_GIT_SHA", "b" * 40)
+    r = CliRunner().invoke(bench_train_cmd, args + ["--tokens", "256"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    assert [(x["impl"], x["tokens"], x["git_sha"][0]) for x in doc["results"]] == \
+        [("hf_eager", 128, "0"), ("ours", 128, "a"), ("ours", 256, "b")]        # 256 replaced, nothing doubled
+    ours128 = _rows(doc)[("ours", 128, 1)]["tokens_per_s"]
+    assert doc["ratios"] == {"ours_over_hf_eager@128": pytest.approx(ours128 / 100.0)}
+
+
+@pytest.mark.parametrize("args,names", [
+    (["--impls", "ours,bogus"], "--impls: unknown implementation 'bogus'"),
+    (["--tokens", "1001", "--batch", "2"], "--tokens: 1001 is not a positive multiple of --batch 2"),
+    (["--append"], "--append: needs --out"),
+    (["--append", "--out", "{bad}"], "--append: cannot read"),
+    (["--append", "--out", "{other}"], "is not a `dsv4 bench train` result"),
+    (["--append", "--out", "{proxy}"], "was measured on config 'proxy', this run is 'debug'"),
+    (["--append", "--out", "{h200}"], "was measured on platform 'h200', this run is 'cpu'"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, args, names):
+    files = {"{bad}": "not json", "{other}": json.dumps({"bench": "kernels", "ops": {}}),
+             "{proxy}": json.dumps({"bench": "train", "config": "proxy", "results": []}),
+             "{h200}": json.dumps({"bench": "train", "config": "debug", "results": [],
+                                   "provenance": {"platform": "h200"}})}
+    for k, text in files.items():
+        (tmp_path / k.strip("{}")).write_text(text)
+    args = [str(tmp_path / a.strip("{}")) if a in files else a for a in args]
+    r = CliRunner().invoke(bench_train_cmd, ["--smoke", "--tokens", "128", "--batch", "1"] + args)
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dsv4: error: ") and names in lines[0], r.stderr
