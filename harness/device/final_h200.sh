@@ -1,28 +1,31 @@
 #!/usr/bin/env bash
 # The wave's final H200 runs that train (issues 12, 13, 17, 18), self-contained: run from the repo root, results
 # under $OUT (torch 2.11 / triton 3.6 / Python 3.12, no internet; .whl/ holds transformers for the HF peer).
-#   OUT=/path DSV4_GIT_SHA=<sha> bash harness/device/final_h200.sh train   # A: curves + compile + packed; B: 64K stage; C: decode
-#   OUT=/path DSV4_GIT_SHA=<sha> bash harness/device/final_h200.sh bench   # `dsv4 bench train` rows, ours vs HF
+#   OUT=/path DSV4_GIT_SHA=<sha> bash harness/device/final_h200.sh train   # curves + the 64K stage; then ours vs HF at 4K
+#   OUT=/path DSV4_GIT_SHA=<sha> bash harness/device/final_h200.sh more    # compile + packed training; then decode
 #   SMOKE=1 ... : the same steps on a CPU at debug sizes (checks the script, measures nothing)
-# A runs side by side on the one GPU (each step is host-bound at 4K, so they overlap; their losses are compared,
-# their step times are contended and not speed results):
+# `train` (one call): side by side on the one GPU (host-bound steps overlap; their losses are compared, their step
+# times are contended and not speed results):
 #   curve_<p>/        `dsv4 train --recipe proxy --steps 300 --precision p`, p = bf16 | fp8_block | fp4_qat (X1, D9)
-#   compile_train/    `dsv4 train --recipe proxy --compile --steps 12` (torch.compile of every block trains, issue 12)
-#   packed_train/     `dsv4 train --recipe proxy --packing --steps 4` (packed THD rows, Triton kernels, issue 12)
-# B: train64k/       `dsv4 train --recipe long-proxy --curriculum proxy-64k` (2 dense warm-up + 4 sparse steps, 64K
-#                    tokens, recompute; issue 18), alone on the GPU.
-# C: gen.json        python -m dsv4.harness.bench_generate (decode tok/s and cache bytes / token at 4K and 64K), alone.
+#   train64k/         `dsv4 train --recipe long-proxy --curriculum proxy-64k` (2 dense warm-up + 4 sparse steps of 64K
+#                     tokens, recompute; issue 18)
+# then alone: bench_train.json, `dsv4 bench train` ours vs hf_eager vs hf_compile at 4K tokens (B=2).
+# `more`: compile_train/ (`--compile --steps 12`: torch.compile of every block trains, issue 12) and packed_train/
+# (`--packing --steps 4`: packed THD rows on the Triton kernels) side by side; then gen.json (decode tok/s, cache
+# bytes per token at 4K and 64K) alone.
 # Every run dir keeps golden_values.json, run.json, metrics.jsonl (metrics.jsonl is written per step, so a run cut by
-# its time limit keeps its steps). summary.txt: one line per step with its exit code and seconds.
+# its time limit keeps its steps). summary.txt: one line per step with its exit code and seconds. All of $OUT is
+# also packed into results.tgz (a device call returns at most 8 files).
 set -u
 WHAT=${1:-train}
-OUT=${OUT:-/tmp/final_h200}
-mkdir -p "$OUT"
+FINAL=${OUT:-/tmp/final_h200}       # gets results.tgz (everything) and summary.txt: a device call returns <= 8 files
+OUT=$(mktemp -d /tmp/fwork.XXXXXX)
+mkdir -p "$FINAL"
 export PYTHONUNBUFFERED=1
 SHIM=$(mktemp -d /tmp/fshim.XXXXXX)
 mkdir -p "$SHIM/dsv4"; cp harness/_root/__init__.py "$SHIM/dsv4/__init__.py"
 for d in model kernels harness slices; do ln -sfn "$PWD/$d" "$SHIM/dsv4/$d"; done
-if [ "$WHAT" = bench ] && ls .whl/*.whl >/dev/null 2>&1; then
+if [ "$WHAT" = train ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SHIM/site" .whl/*.whl || exit 3
 fi
 export PYTHONPATH="$SHIM:$SHIM/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -39,26 +42,28 @@ run() { local name=$1 t=$2; shift 2; local s=$(date +%s); timeout "$t" bash -c "
 keep() { mkdir -p "$OUT/$1"; for f in golden_values.json run.json metrics.jsonl routing_stats.json; do
            cp "$SHIM/run_$1/$f" "$OUT/$1/" 2>/dev/null; done; }
 S=${SMOKE:-0}
+if [ "$S" = 1 ]; then R=debug; N=4; RL="long-debug --steps 3"; E="--backend naive"
+  SM="--smoke --tokens 256 --batch 2 --steps 2 --warmup 1"; T4=256
+else R=proxy; N=300; RL="long-proxy --curriculum proxy-64k --lr-schedule cosine"; E="--backend triton"
+  SM="--config proxy --steps 5 --warmup 2"; T4=4096; fi
 if [ "$WHAT" = train ]; then
-  if [ "$S" = 1 ]; then R=debug; N=4; RL="long-debug --steps 3"; GEN="--smoke"; E="--backend naive"
-  else R=proxy; N=300; RL="long-proxy --curriculum proxy-64k"; GEN="--config proxy --contexts 4096,65536 --new 32"; E="--backend triton"; fi
+  # A: side by side on the one GPU (host-bound 4K steps overlap); B: the HF peers at 4K
   for p in bf16 fp8_block fp4_qat; do
-    run "curve_$p" ${TA:-300} "$D train --recipe $R --steps $N --precision $p $E --out $SHIM/run_curve_$p --no-final-checkpoint --json" &
+    run "curve_$p" ${TA:-330} "$D train --recipe $R --steps $N --precision $p $E --out $SHIM/run_curve_$p --no-final-checkpoint --json" &
   done
+  # the 64K stage (6 steps: fewer than long-proxy's warm-up, so the cosine schedule; its WSD decay starts at 65)
+  run train64k ${TA:-330} "$D train --recipe $RL $E --out $SHIM/run_train64k --no-final-checkpoint --json" &
+  wait
+  run bench_peers ${TB:-150} "$BT $SM --tokens $T4 --batch 2 --impls ours,hf_eager,hf_compile --append --out $OUT/bench_train.json"
+  for r in curve_bf16 curve_fp8_block curve_fp4_qat train64k; do keep $r; done
+elif [ "$WHAT" = more ]; then
   run compile_train ${TA:-300} "$D train --recipe $R --steps 12 --compile $E --out $SHIM/run_compile_train --no-final-checkpoint --json" &
   run packed_train ${TA:-300} "$D train --recipe $R --steps 4 --packing $E --out $SHIM/run_packed_train --no-final-checkpoint --json" &
   wait
-  run train64k ${TB:-120} "$D train --recipe $RL $E --out $SHIM/run_train64k --no-final-checkpoint --json"
-  run gen ${TC:-130} "$PY -m dsv4.harness.bench_generate $GEN --out $OUT/gen.json"
-  for r in curve_bf16 curve_fp8_block curve_fp4_qat compile_train packed_train train64k; do keep $r; done
-else
-  if [ "$S" = 1 ]; then SM="--smoke --tokens 256 --batch 2 --steps 2 --warmup 1"; T4=256; T16=512
-  else SM="--config proxy --steps 5 --warmup 2"; T4=4096; T16=16384; fi
-  J=$OUT/bench_train.json
-  run bench_eager ${TA:-150} "$BT $SM --tokens $T4,$T16 --batch 2 --impls ours,ours_packed,hf_eager --profile --append --out $J"
-  run bench_hf_compile ${TB:-170} "$BT $SM --tokens $T4 --batch 2 --impls hf_compile --append --out $J"
-  run bench_ours_compile ${TC:-200} "$BT $SM --tokens $T4 --batch 2 --impls ours_compile --profile --append --out $J"
+  run gen ${TC:-130} "$PY -m dsv4.harness.bench_generate ${GEN:---config proxy --contexts 4096,65536 --new 32} --out $OUT/gen.json"
+  for r in compile_train packed_train; do keep $r; done
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used --format=csv >> "$OUT/env.txt"
 rm -rf "$SHIM"
 cat "$OUT/summary.txt"
+tar czf "$FINAL/results.tgz" -C "$OUT" . && cp "$OUT/summary.txt" "$FINAL/summary.txt"

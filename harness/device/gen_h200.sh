@@ -33,7 +33,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
 else
   run gen 420 "python3 -m dsv4.harness.bench_generate --config proxy --contexts 4096,65536 --batch 1 --new 64 --out $OUT/gen.json"
   run gen_b8 240 "python3 -m dsv4.harness.bench_generate --config proxy --contexts 4096 --batch 8 --new 64 --out $OUT/gen_b8.json"
-  run train64k 600 "$D train --recipe long-proxy --curriculum proxy-64k --out $SHIM/run64k --no-final-checkpoint --json"
+  run train64k 600 "$D train --recipe long-proxy --curriculum proxy-64k --lr-schedule cosine --out $SHIM/run64k --no-final-checkpoint --json"
   run plan 120 "$D plan --config proxy --tokens 65536 --recompute --optimizer muon --json"
 fi
 cp "$OUT/train64k.out" "$OUT/train64k.json" 2>/dev/null

@@ -62,6 +62,21 @@ def test_fp8_linear_dtypes_and_module():
     assert L.FP8Linear.from_linear(lin, L.FP8Config())(xb).dtype == torch.bfloat16
 
 
+def test_fp8_linear_under_autocast_computes_in_the_autocast_dtype():
+    """`dsv4 train --dtype bf16` = FP32 masters under autocast: the FP8 projection must return bf16 as the
+    nn.Linear it replaces does (an fp32 query next to bf16 keys failed the Triton attention on the H200), and
+    equal the FP8 GEMM of the bf16-cast input; the master's gradient stays fp32."""
+    lin = nn.Linear(256, 128, bias=False)
+    f = L.FP8Linear.from_linear(lin, L.FP8Config())
+    x = torch.randn(9, 256, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_lin, y = lin(x), f(x)
+    assert y_lin.dtype == y.dtype == torch.bfloat16
+    assert torch.equal(y, f(x.detach().to(torch.bfloat16)))          # the same as calling it on bf16 input
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and lin.weight.grad.dtype == torch.float32
+
+
 def test_recipe_swaps_only_allowed_linears_and_keeps_high_precision_untouched():
     torch.manual_seed(0)
     ref = build_model("debug")
