@@ -309,14 +309,16 @@ def spread_cmd(sids, cases, as_json):
 @click.option("--step-interval", default=1, type=int)
 @click.option("--metrics", default=None, help="Comma list (default: all Megatron golden metrics found).")
 @click.option("--force", is_flag=True, help="Replace an existing golden of that name (its diff is printed).")
+@click.option("--note", default=None, help="A sentence kept in the provenance (how the run was made).")
 @click.option("--json", "as_json", is_flag=True)
-def import_cmd(logdir, platform, sid, name, step_interval, metrics, force, as_json):
-    """Read a Megatron run's TensorBoard event files into a golden (Megatron golden-values JSON)."""
+def import_cmd(logdir, platform, sid, name, step_interval, metrics, force, note, as_json):
+    """Read a run's TensorBoard event files (Megatron or dsv4), or a dsv4 run dir's metrics.jsonl, into a golden
+    (Megatron golden-values JSON)."""
     from dsv4.harness import tbimport
     reg = registry()
     sl = reg.get(sid)
     path, doc, diff = tbimport.import_run(Path(logdir), platform, sl, name, step_interval,
-                                          metrics.split(",") if metrics else None, force)
+                                          metrics.split(",") if metrics else None, force, note)
     click.echo(f"wrote {path} ({', '.join(doc)})", err=as_json)
     for line in diff:
         click.echo(line, err=as_json)
@@ -416,11 +418,14 @@ def bench_grp():
               help="Comma list (default, as Megatron: lm loss, num-zeros and mtp_1 loss when present).")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False), default=None,
               help="Write a Markdown report with PNG plots here.")
+@click.option("--steps", "steps", default=None, metavar="N|A:B",
+              help="Judge only steps 1..N (or A..B) of both curves, e.g. a run's first 100 steps.")
 @click.option("--json", "as_json", is_flag=True)
-def compare_cmd(run, golden, mode, metrics, report_dir, as_json):
+def compare_cmd(run, golden, mode, metrics, report_dir, steps, as_json):
     """Compare a run's curves (Megatron golden-values JSON or a run dir) with a golden, per metric."""
     from dsv4.harness import report as R
-    doc = R.compare_files(Path(run), Path(golden), mode, metrics.split(",") if metrics else None)
+    doc = R.compare_files(Path(run), Path(golden), mode, metrics.split(",") if metrics else None,
+                          R.parse_steps(steps))
     for r in doc["checks"]:
         tol = "exact" if r.get("atol") == 0 and r.get("rtol") == 0 else f"rtol {r.get('rtol')}"
         click.echo(f"  [{r['verdict'].upper():4}] {r['check']:24} max|abs| {r.get('max_abs', float('nan')):.3e} "

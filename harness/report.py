@@ -14,18 +14,22 @@ def load_curves(path: Path) -> tuple[dict, dict]:
     """(metrics in Megatron golden format, provenance) from a run dir, a Megatron JSON, or a dsv4 golden.
 
     A run dir's provenance is its `provenance.json` (written by `dsv4 train`), else its `run.json`; a Megatron
-    JSON's is its sidecar `<stem>.provenance.json`. Curves that cannot be judged are a GoldenError (exit 2).
+    JSON's is its sidecar `<stem>.provenance.json`. A run dir cut before its end (killed at a time limit: no
+    golden_values.json yet) is read from its per-step `metrics.jsonl`, the records `dsv4 train` builds
+    golden_values.json from, up to its last complete line. Curves that cannot be judged are a GoldenError (exit 2).
     """
     path = Path(path)
     prov: dict = {}
     if path.is_dir():
-        cand = path / "golden_values.json"
-        if not cand.exists():
-            raise G.GoldenError(f"{path}: run directory has no golden_values.json")
         for name in ("provenance.json", "run.json"):
             if (path / name).exists():
                 prov = G.read_json(path / name)
                 break
+        cand = path / "golden_values.json"
+        if not cand.exists():
+            if not (path / "metrics.jsonl").exists():
+                raise G.GoldenError(f"{path}: run directory has no golden_values.json or metrics.jsonl")
+            return G.check_curves(curves_from_metrics(path / "metrics.jsonl"), str(path / "metrics.jsonl")), prov
         path = cand
     doc = G.read_json(path)
     side = path.with_name(path.stem + ".provenance.json")
@@ -40,9 +44,56 @@ def load_curves(path: Path) -> tuple[dict, dict]:
     return G.check_curves(doc, str(path)), prov
 
 
-def compare_files(run: Path, golden: Path, mode: str, metrics: list[str] | None) -> dict:
+def curves_from_metrics(path: Path) -> dict:
+    """Megatron golden-values curves of a `dsv4 train` metrics.jsonl (complete lines; a torn last line of a
+    killed run is dropped, any other bad line is a GoldenError naming it)."""
+    from dsv4.harness.train.loop import golden_values
+    lines = Path(path).read_text().splitlines()
+    history = []
+    for i, line in enumerate(lines, 1):
+        try:
+            history.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines):          # the line being written when the run was killed
+                break
+            raise G.GoldenError(f"{path}:{i}: not a JSON metrics record") from None
+    if not history:
+        raise G.GoldenError(f"{path}: no metrics records: cannot judge")
+    return golden_values(history)
+
+
+def window(m: dict, lo: int, hi: int) -> dict:
+    """A Megatron curve restricted to steps lo..hi (inclusive); GoldenError when none of its steps is there."""
+    vals = {k: v for k, v in m["values"].items() if lo <= int(k) <= hi}
+    if not vals:
+        raise G.GoldenError(f"--steps {lo}:{hi}: the curve has no step there (it covers "
+                            f"{m.get('start_step')}..{m.get('end_step')})")
+    steps = [int(k) for k in vals]
+    return {**m, "start_step": min(steps), "end_step": max(steps), "values": vals}
+
+
+def parse_steps(text: str | None) -> tuple[int, int] | None:
+    """"N" (steps 1..N) or "A:B" -> (lo, hi); None -> None. Bad text is a GoldenError (exit 2)."""
+    if text is None:
+        return None
+    try:
+        lo, hi = (1, int(text)) if ":" not in text else tuple(int(t) for t in text.split(":", 1))
+    except ValueError:
+        raise G.GoldenError(f"--steps: expected N or A:B, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise G.GoldenError(f"--steps: need 1 <= A <= B, got {text!r}")
+    return lo, hi
+
+
+def compare_files(run: Path, golden: Path, mode: str, metrics: list[str] | None,
+                  steps: tuple[int, int] | None = None) -> dict:
+    """Per-metric verdicts; `steps` = (lo, hi) judges only those steps of both curves (e.g. a longer run's
+    first 100 steps against a 100-step golden, or a run cut at its time limit against a longer golden)."""
     rc, rprov = load_curves(run)
     gc, gprov = load_curves(golden)
+    if steps is not None:
+        gc = {k: window(v, *steps) for k, v in gc.items()}
+        rc = {k: window(v, *steps) for k, v in rc.items()}
     # default as Megatron: lm loss and num-zeros (+ mtp_1 loss); timing and memory only when asked for
     names = metrics or [m for m in DEFAULT_METRICS if m in gc] or list(gc)
     missing = [m for m in names if m not in gc]
@@ -51,7 +102,8 @@ def compare_files(run: Path, golden: Path, mode: str, metrics: list[str] | None)
     checks = [compare_metric(m, gc[m], rc.get(m), mode) for m in names]
     verdicts = {c["verdict"] for c in checks}
     code = 1 if "fail" in verdicts else (2 if verdicts - {"pass"} or not checks else 0)
-    return {"run": str(run), "golden": str(golden), "mode": mode, "checks": checks,
+    return {"run": str(run), "golden": str(golden), "mode": mode, "steps": list(steps) if steps else None,
+            "checks": checks,
             "verdict": {0: "pass", 1: "regression", 2: CANNOT_JUDGE}[code], "exit_code": code,
             "run_curves": rc, "golden_curves": gc, "run_provenance": rprov, "golden_provenance": gprov}
 

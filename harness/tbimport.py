@@ -100,11 +100,25 @@ def to_golden(scalars: dict[str, dict[int, float]], step_interval: int, metrics=
     return doc
 
 
-def import_run(logdir: Path, platform: str, sl, name: str, step_interval: int, metrics=None, force: bool = False):
-    """Write the golden; returns (path, doc, diff lines). An existing golden is only replaced with `force`."""
+def read_metrics_jsonl(logdir: Path) -> dict[str, dict[int, float]]:
+    """{metric: {step: value}} of a `dsv4 train` run dir without event files (e.g. one brought back from a GPU
+    machine without its tensorboard/ folder, or cut at a time limit): its per-step metrics.jsonl."""
+    from dsv4.harness.report import curves_from_metrics
+    curves = curves_from_metrics(Path(logdir) / "metrics.jsonl")
+    return {m: {int(k): (float("nan") if isinstance(v, str) else float(v)) for k, v in c["values"].items()}
+            for m, c in curves.items()}
+
+
+def import_run(logdir: Path, platform: str, sl, name: str, step_interval: int, metrics=None, force: bool = False,
+               note: str | None = None):
+    """Write the golden; returns (path, doc, diff lines). An existing golden is only replaced with `force`.
+    `logdir`: Megatron / dsv4 TensorBoard event files, or a dsv4 run dir with only metrics.jsonl (+ run.json,
+    whose sha, versions and command become the provenance)."""
     if step_interval < 1:
         raise G.GoldenError(f"--step-interval: must be >= 1, got {step_interval}")
-    doc = to_golden(read_scalars(logdir), step_interval, metrics)
+    logdir = Path(logdir)
+    from_jsonl = not any(logdir.rglob("events.out.tfevents.*")) and (logdir / "metrics.jsonl").exists()
+    doc = to_golden(read_metrics_jsonl(logdir) if from_jsonl else read_scalars(logdir), step_interval, metrics)
     path = G.GOLDENS / platform / sl.name / f"{name}.golden_values.json"
     old = G.read_json(path) if path.exists() else None
     if old is not None and not force:
@@ -115,6 +129,15 @@ def import_run(logdir: Path, platform: str, sl, name: str, step_interval: int, m
     # the run was made elsewhere: its software versions are not ours; keep the importer's apart
     prov = {"platform": platform, "source_logdir": str(logdir), "source": "Megatron TensorBoard event files",
             "run_git_sha": None, "run_torch": None, "imported_by": importer}
+    if from_jsonl:
+        run = G.read_json(logdir / "run.json") if (logdir / "run.json").exists() else {}
+        prov.update(source="dsv4 train metrics.jsonl", run_git_sha=run.get("git_sha"), run_torch=run.get("torch"),
+                    run_python=run.get("python"), run_device=run.get("device_name"), run_seed=run.get("seed"),
+                    run_config=run.get("config"), run_config_hash=run.get("config_hash"),
+                    run_recipe=run.get("recipe"), run_deterministic=run.get("deterministic"),
+                    run_data=run.get("data"), run_steps=doc[next(iter(doc))]["end_step"])
+    if note:
+        prov["note"] = note
     G.atomic_write_json(path.with_name(f"{name}.golden_values.provenance.json"), prov)
     G.atomic_write_json(path, doc)
     return path, doc, diff

@@ -77,3 +77,56 @@ def test_compare_cli_and_report(tmp_path):
     bad.write_text(json.dumps({"lm loss": {"values": {}}}))
     r = subprocess.run(cli + [str(bad), str(gold)], capture_output=True, text=True)
     assert r.returncode == 2 and "bad.json" in r.stderr and "Megatron golden-values format" in r.stderr
+
+
+def test_compare_reads_a_cut_run_from_its_metrics_jsonl(tmp_path):
+    """A run killed at its time limit has metrics.jsonl (one record per step, maybe a torn last line) and no
+    golden_values.json: compare reads the complete records; a bad line elsewhere is refused, naming it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = [{"step": i, "lm loss": 10.0 - 0.5 * i, "num-zeros": 7.0} for i in range(1, 6)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"step": 6, "lm lo')
+    (run / "run.json").write_text(json.dumps({"git_sha": "abc"}))
+    curves, prov = R.load_curves(run)
+    assert curves["lm loss"]["end_step"] == 5 and curves["lm loss"]["values"]["5"] == 7.5 and prov["git_sha"] == "abc"
+    gold = tmp_path / "g.json"
+    gold.write_text(json.dumps(_golden([9.5, 9.0, 8.5, 8.0, 7.5])))
+    assert R.compare_files(run, gold, "deterministic", ["lm loss"])["verdict"] == "pass"
+    (run / "metrics.jsonl").write_text(json.dumps(recs[0]) + "\nnot json\n" + json.dumps(recs[1]) + "\n")
+    with pytest.raises(G.GoldenError, match=r"metrics.jsonl:2: not a JSON metrics record"):
+        R.load_curves(run)
+    (run / "metrics.jsonl").unlink()
+    with pytest.raises(G.GoldenError, match="no golden_values.json or metrics.jsonl"):
+        R.load_curves(run)
+
+
+def test_compare_steps_window(tmp_path):
+    """--steps judges only that window of both curves: a 5-step run against a 10-step golden over steps 1..5;
+    a window the golden lacks and bad text are one-line errors (exit 2)."""
+    run, gold = tmp_path / "r.json", tmp_path / "g.json"
+    run.write_text(json.dumps(_golden([9.5, 9.0, 8.5, 8.0, 7.5])))
+    gold.write_text(json.dumps(_golden([9.5, 9.0, 8.5, 8.0, 7.5, 7.0, 6.5, 6.0, 5.5, 5.0])))
+    assert R.compare_files(run, gold, "deterministic", ["lm loss"])["verdict"] == "regression"   # run too short
+    doc = R.compare_files(run, gold, "deterministic", ["lm loss"], R.parse_steps("5"))
+    assert doc["verdict"] == "pass" and doc["checks"][0]["steps"] == 5
+    assert R.compare_files(run, gold, "deterministic", ["lm loss"], R.parse_steps("2:4"))["checks"][0]["steps"] == 3
+    for bad, msg in (("x", "expected N or A:B"), ("4:2", "need 1 <= A <= B"), ("20:30", "has no step there")):
+        with pytest.raises(G.GoldenError, match=msg):
+            R.compare_files(run, gold, "deterministic", ["lm loss"], R.parse_steps(bad))
+    r = subprocess.run([sys.executable, "-m", "dsv4.harness.cli", "compare", str(run), str(gold), "--steps", "x"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--steps" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_import_of_a_run_dir_without_event_files_reads_metrics_jsonl(tmp_path, monkeypatch):
+    monkeypatch.setattr(G, "GOLDENS", tmp_path / "goldens")
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = [{"step": i, "lm loss": 10.0 - 0.5 * i, "iteration-time": 0.1} for i in range(1, 5)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "run.json").write_text(json.dumps({"git_sha": "abc123", "torch": "2.11.0+cu130", "seed": 1234}))
+    from dsv4.harness.registry import Registry
+    path, doc, _ = TB.import_run(run, "h200", Registry.load().get("D9"), "cut", 1)
+    assert doc["lm loss"]["end_step"] == 4 and doc["lm loss"]["values"]["4"] == 8.0
+    prov = json.loads(path.with_name("cut.golden_values.provenance.json").read_text())
+    assert prov["source"] == "dsv4 train metrics.jsonl" and prov["run_git_sha"] == "abc123" and prov["run_steps"] == 4
