@@ -44,22 +44,27 @@ def load_curves(path: Path) -> tuple[dict, dict]:
     return G.check_curves(doc, str(path)), prov
 
 
-def curves_from_metrics(path: Path) -> dict:
-    """Megatron golden-values curves of a `dsv4 train` metrics.jsonl (complete lines; a torn last line of a
-    killed run is dropped, any other bad line is a GoldenError naming it)."""
-    from dsv4.harness.train.loop import golden_values
+def metrics_records(path: Path) -> list[dict]:
+    """The per-step records of a `dsv4 train` metrics.jsonl (complete lines; a torn last line of a killed run
+    is dropped, any other bad line is a GoldenError naming it)."""
     lines = Path(path).read_text().splitlines()
-    history = []
+    records = []
     for i, line in enumerate(lines, 1):
         try:
-            history.append(json.loads(line))
+            records.append(json.loads(line))
         except json.JSONDecodeError:
             if i == len(lines):          # the line being written when the run was killed
                 break
             raise G.GoldenError(f"{path}:{i}: not a JSON metrics record") from None
-    if not history:
+    if not records:
         raise G.GoldenError(f"{path}: no metrics records: cannot judge")
-    return golden_values(history)
+    return records
+
+
+def curves_from_metrics(path: Path) -> dict:
+    """Megatron golden-values curves of a `dsv4 train` metrics.jsonl, as `dsv4 train` writes them at its end."""
+    from dsv4.harness.train.loop import golden_values
+    return golden_values(metrics_records(path))
 
 
 def window(m: dict, lo: int, hi: int) -> dict:

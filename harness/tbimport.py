@@ -103,10 +103,13 @@ def to_golden(scalars: dict[str, dict[int, float]], step_interval: int, metrics=
 def read_metrics_jsonl(logdir: Path) -> dict[str, dict[int, float]]:
     """{metric: {step: value}} of a `dsv4 train` run dir without event files (e.g. one brought back from a GPU
     machine without its tensorboard/ folder, or cut at a time limit): its per-step metrics.jsonl."""
-    from dsv4.harness.report import curves_from_metrics
-    curves = curves_from_metrics(Path(logdir) / "metrics.jsonl")
-    return {m: {int(k): (float("nan") if isinstance(v, str) else float(v)) for k, v in c["values"].items()}
-            for m, c in curves.items()}
+    from dsv4.harness.report import metrics_records
+    out: dict[str, dict[int, float]] = {}
+    for r in metrics_records(Path(logdir) / "metrics.jsonl"):
+        for m, v in r.items():
+            if m != "step" and isinstance(v, (int, float)):
+                out.setdefault(m, {})[int(r["step"])] = float(v)
+    return out
 
 
 def import_run(logdir: Path, platform: str, sl, name: str, step_interval: int, metrics=None, force: bool = False,

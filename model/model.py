@@ -33,7 +33,7 @@ import dsv4.kernels as kernels
 from dsv4.model.moe import EXPERT_GEMMS, Experts, Gate, MoE
 from dsv4.model.mtp import MTPBlock
 from dsv4.model.norm import RMSNorm
-from dsv4.model.precision import cast_model
+from dsv4.model.precision import autocast_operands, cast_model
 from dsv4.model.recompute import checkpoint_block
 
 IGNORE = -100
@@ -279,13 +279,10 @@ def head_cross_entropy(y: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
                        chunk: int = 8192, reduction: str = "mean") -> torch.Tensor:
     """y [N, d], weight [V, d], labels [N] (IGNORE = -100) -> mean (or "sum") CE of the logits y @ weight^T
     (fp32 softmax), never materialising [N, V]: the memory of one block of `chunk` rows. Under autocast the
-    logits are formed in the autocast dtype, as `head(y)` is there: y and W are cast first (the backward runs
-    outside autocast and would otherwise meet a bf16 y and an FP32 master W)."""
+    logits are formed in the autocast dtype, as `head(y)` is there (model.precision.autocast_operands)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"head_cross_entropy: reduction must be mean|sum, got {reduction!r}")
-    if torch.is_autocast_enabled(y.device.type):
-        dt = torch.get_autocast_dtype(y.device.type)
-        y, weight = y.to(dt), weight.to(dt)
+    y, weight = autocast_operands(y, weight)
     return _HeadCrossEntropy.apply(y, weight, labels, chunk, reduction == "mean")
 
 

@@ -20,6 +20,18 @@ from dsv4.model.norm import RMSNorm
 FP32_NAME = re.compile(r"(^|\.)(hc_(attn|ffn|head)_(fn|base|scale)|attn_sink|ape|gate\.bias)$")
 
 
+def autocast_operands(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The operands of a custom autograd Function cast to the autocast dtype when autocast is on for their
+    device -- what the nn.Linear / matmul it stands for computes in there (`dsv4 train --dtype bf16`: FP32
+    masters under autocast). A Function is not autocast-aware, and its backward runs outside autocast, where
+    a bf16 activation would meet an FP32 master."""
+    dev = ts[0].device.type
+    if not torch.is_autocast_enabled(dev):
+        return ts
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(t.to(dt) for t in ts)
+
+
 def keeps_fp32(name: str, t: torch.Tensor, owner: nn.Module) -> bool:
     """Whether the parameter/buffer `name` (full dotted name) of `owner` stays FP32 (see the module doc)."""
     return bool(getattr(t, "keep_in_fp32", False)) or bool(FP32_NAME.search(name)) or isinstance(owner, RMSNorm)

@@ -11,8 +11,7 @@
 #                     tokens, recompute; issue 18)
 # then alone: bench_train.json, `dsv4 bench train` ours vs hf_eager vs hf_compile at 4K tokens (B=2).
 # `more`: compile_train/ (`--compile --steps 12`: torch.compile of every block trains, issue 12) and packed_train/
-# (`--packing --steps 4`: packed THD rows on the Triton kernels) side by side; then gen.json (decode tok/s, cache
-# bytes per token at 4K and 64K) alone.
+# (`--packing --steps 4`: packed THD rows on the Triton kernels) side by side. Decode is harness/device/gen_h200.sh.
 # Every run dir keeps golden_values.json, run.json, metrics.jsonl (metrics.jsonl is written per step, so a run cut by
 # its time limit keeps its steps). summary.txt: one line per step with its exit code and seconds. All of $OUT is
 # also packed into results.tgz (a device call returns at most 8 files).
@@ -60,7 +59,6 @@ elif [ "$WHAT" = more ]; then
   run compile_train ${TA:-300} "$D train --recipe $R --steps 12 --compile $E --out $SHIM/run_compile_train --no-final-checkpoint --json" &
   run packed_train ${TA:-300} "$D train --recipe $R --steps 4 --packing $E --out $SHIM/run_packed_train --no-final-checkpoint --json" &
   wait
-  run gen ${TC:-130} "$PY -m dsv4.harness.bench_generate ${GEN:---config proxy --contexts 4096,65536 --new 32} --out $OUT/gen.json"
   for r in compile_train packed_train; do keep $r; done
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used --format=csv >> "$OUT/env.txt"

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # Issue 18 on one H200 (X2 / X4): decode tokens/s and KV-cache memory of `proxy` at 4K and 64K context, and the
-# 64K curriculum stage (`--curriculum proxy-64k`: 2 dense indexer warm-up + 4 sparse steps, bf16 + recompute).
+# plan of the 64K training step. The 64K curriculum stage itself is `harness/device/final_h200.sh train`'s.
 # Self-contained: run from the repo root on a machine with torch 2.11 / triton 3.6 / Python 3.12, no internet;
 # results under $OUT:
 #   env.txt              versions, GPU
 #   gen.json / gen.log   python -m dsv4.harness.bench_generate (decode / prefill tokens/s, cache bytes per token)
 #   gen_b8.json          the same at 4K with 8 rows
-#   train64k.json/.log   dsv4 train --json summary; train64k_metrics.jsonl, train64k_run.json: the stage's curve
 #   plan.json            dsv4 plan's prediction for the 64K training step (the stored CPU measurement)
 # SMOKE=1: the same steps on the CPU with the debug config and tiny sizes (checks the script, measures nothing).
 set -u
@@ -16,10 +15,7 @@ export PYTHONUNBUFFERED=1
 SHIM=$(mktemp -d)
 mkdir -p "$SHIM/dsv4"; cp harness/_root/__init__.py "$SHIM/dsv4/__init__.py"
 for d in model kernels harness slices; do ln -sfn "$PWD/$d" "$SHIM/dsv4/$d"; done
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SHIM/site" .whl/*.whl || exit 3
-fi
-export PYTHONPATH="$SHIM:$SHIM/site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 D="python3 -c 'from dsv4.harness.cli import main; main()'"
 run() { local name=$1 t=$2; shift 2; local s=$(date +%s); timeout "$t" bash -c "$*" > "$OUT/$name.out" 2> "$OUT/$name.log"; \
         echo "$name rc=$? $(( $(date +%s) - s ))s"; tail -3 "$OUT/$name.log" | cut -c1-300; }
@@ -28,17 +24,12 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')" | tee "$O
 if [ "${SMOKE:-0}" = 1 ]; then
   run gen 300 "python3 -m dsv4.harness.bench_generate --smoke --out $OUT/gen.json"
   run gen_b8 300 "python3 -m dsv4.harness.bench_generate --smoke --batch 3 --out $OUT/gen_b8.json"
-  run train64k 600 "$D train --recipe long-debug --steps 3 --out $SHIM/run64k --no-final-checkpoint --json"
   run plan 300 "$D plan --config debug --tokens 256 --recompute --optimizer none --json"
 else
   run gen 420 "python3 -m dsv4.harness.bench_generate --config proxy --contexts 4096,65536 --batch 1 --new 64 --out $OUT/gen.json"
   run gen_b8 240 "python3 -m dsv4.harness.bench_generate --config proxy --contexts 4096 --batch 8 --new 64 --out $OUT/gen_b8.json"
-  run train64k 600 "$D train --recipe long-proxy --curriculum proxy-64k --lr-schedule cosine --out $SHIM/run64k --no-final-checkpoint --json"
   run plan 120 "$D plan --config proxy --tokens 65536 --recompute --optimizer muon --json"
 fi
-cp "$OUT/train64k.out" "$OUT/train64k.json" 2>/dev/null
 cp "$OUT/plan.out" "$OUT/plan.json" 2>/dev/null
-cp "$SHIM/run64k/metrics.jsonl" "$OUT/train64k_metrics.jsonl" 2>/dev/null
-cp "$SHIM/run64k/run.json" "$OUT/train64k_run.json" 2>/dev/null
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used --format=csv >> "$OUT/env.txt"
 ls -la "$OUT"

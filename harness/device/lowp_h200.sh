@@ -8,11 +8,8 @@
 #                           bit for bit; FP8 GEMM / FP8Linear vs the CPU emulation within the stored tolerances)
 #   lowp_bench.json         harness/train/lowp_bench.py: FP8 / FP4-QAT fwd+bwd tokens/s vs bf16 on proxy at 4K and
 #                           16K tokens (the fused quantiser), exact vs fused quantiser ms and GB/s
-#   curve_<precision>/      `dsv4 train --recipe proxy --steps 300 --precision P` (bf16, fp8_block, fp4_qat): the
-#                           run's golden_values.json, run.json, metrics.jsonl. The three runs share the GPU at once
-#                           (the 4K step is host-bound, so they overlap); their losses are what is compared, their
-#                           iteration times are contended and not a speed measurement (lowp_bench.json is).
 #   summary.txt             one line per step with its exit code and seconds
+# The 300-step bf16 / fp8_block / fp4_qat proxy curves are `harness/device/final_h200.sh train`'s.
 set -u
 OUT=${OUT:-/tmp/x1_lowp}
 mkdir -p "$OUT"
@@ -23,30 +20,18 @@ for d in model kernels harness slices; do ln -sfn "$PWD/$d" "$SHIM/dsv4/$d"; don
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 export DSV4_GIT_SHA=${DSV4_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 PY=${PYTHON:-python3}
-echo "from dsv4.harness.cli import main; main()" > "$SHIM/dsv4_main.py"
-D="$PY $SHIM/dsv4_main.py"
 { $PY -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__, \
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"; echo "git $DSV4_GIT_SHA"; } > "$OUT/env.txt" 2>&1
 : > "$OUT/summary.txt"
 run() { local name=$1 t=$2; shift 2; local s=$(date +%s); timeout "$t" bash -c "$*" > "$OUT/$name.log" 2>&1; local rc=$?
         echo "$name rc=$rc $(( $(date +%s) - s ))s" | tee -a "$OUT/summary.txt"; tail -2 "$OUT/$name.log" | cut -c1-300; }
-keep() { mkdir -p "$OUT/curve_$1"; for f in golden_values.json run.json metrics.jsonl; do
-           cp "$SHIM/run_$1/$f" "$OUT/curve_$1/" 2>/dev/null; done; }
 if [ "${SMOKE:-0}" = 1 ]; then
   run lowp_bench 600 "$PY -m dsv4.harness.train.lowp_bench --smoke --loss-steps 0 --recipes bf16,fp8_block,fp4_qat --out $OUT/lowp_bench.json"
-  for p in bf16 fp8_block fp4_qat; do
-    run "curve_$p" 600 "$D train --recipe debug --steps 4 --precision $p --out $SHIM/run_$p --no-final-checkpoint --json" &
-  done; wait
 else
-  run test_quant_gpu 150 "$PY -m pytest -q -p no:cacheprovider kernels/quant/test_quant.py slices/X1/test_gpu_fp8.py"
+  run test_quant_gpu 300 "$PY -m pytest -q -p no:cacheprovider kernels/quant/test_quant.py slices/X1/test_gpu_fp8.py"
   run lowp_bench 170 "$PY -m dsv4.harness.train.lowp_bench --config proxy --tokens 4096,16384 --batch 1 --steps 5 \
       --warmup 2 --loss-steps 0 --recipes bf16,fp8_tensor,fp8_block,fp4_qat --backend triton --out $OUT/lowp_bench.json"
-  for p in bf16 fp8_block fp4_qat; do
-    run "curve_$p" ${CURVE_TIMEOUT:-330} "$D train --recipe proxy --steps 300 --precision $p --device cuda \
-        --out $SHIM/run_$p --no-final-checkpoint --json" &
-  done; wait
 fi
-for p in bf16 fp8_block fp4_qat; do keep $p; done
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used --format=csv >> "$OUT/env.txt"
 rm -rf "$SHIM"
 cat "$OUT/summary.txt"

@@ -22,7 +22,7 @@ Stages (steps are per run of the named recipe):
     debug-long  CPU test: 32 -> 64 -> 128 (dense) -> 128 (sparse), debug config
     proxy-long  one H200, proxy config, bf16 + recompute: 4K dense, 16K dense, 64K dense (indexer warm-up),
                 64K sparse                                                    (not run here: GPU time reserved)
-    proxy-64k   the 64K stage alone for a few steps (2 dense + 4 sparse; harness/device/gen_h200.sh)
+    proxy-64k   the 64K stage alone for a few steps (2 dense + 4 sparse; harness/device/final_h200.sh train)
 Plan beyond 64K to 1M (Flash; written, not run): 128K sparse, 256K sparse with context parallelism (CP 4,
 model/context_parallel.py: each rank a 64K chunk plus its halo and the gathered compressed entries), 1M sparse
 with CP 16 over two nodes (64K tokens per rank, the measured per-rank size of the 64K stage); batch size in
@@ -52,7 +52,7 @@ CURRICULA = {
                    Stage("s128-indexer-warmup", 2, 128, "dense"), Stage("s128-sparse", 2, 128, "sparse")),
     "proxy-long": (Stage("4k-dense", 40, 4096, "dense"), Stage("16k-dense", 20, 16384, "dense"),
                    Stage("64k-indexer-warmup", 5, 65536, "dense"), Stage("64k-sparse", 10, 65536, "sparse")),
-    # the 64K stage alone, a few steps (harness/device/gen_h200.sh): dense warm-up, then sparse
+    # the 64K stage alone, a few steps (harness/device/final_h200.sh train): dense warm-up, then sparse
     "proxy-64k": (Stage("64k-indexer-warmup", 2, 65536, "dense"), Stage("64k-sparse", 4, 65536, "sparse")),
 }
 

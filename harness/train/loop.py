@@ -227,33 +227,20 @@ class PackedSource:
     a pure function of (seed, k), so resuming is exact. Labels are next tokens inside each document."""
 
     def __init__(self, data: IndexedTokens, capacity: int, seed: int):
-        from dsv4.harness.train.packing import schedule
-        self.data, self.capacity, self.seed, self._schedule = data, capacity, seed, schedule
-        self.epochs: dict = {}
-
-    def _epoch(self, e: int):
-        if e not in self.epochs:
-            order = np.random.RandomState((self.seed * 1_000_003 + 7919 * e + 1) % 2**32).permutation(len(self.data))
-            view = _Reordered(self.data, order)
-            self.epochs = {e: (view, self._schedule(view.lengths, dp_size=1, tokens_per_rank=self.capacity))}
-        return self.epochs[e]
+        from dsv4.harness.train.packing import EpochSchedule
+        self.data, self.capacity = data, capacity
+        self.epochs = EpochSchedule(data.lengths, capacity, seed, salt=1)
 
     def batch(self, k: int) -> dict:
         """Step k (0-based) -> materialized packed micro-batch (numpy)."""
         from dsv4.harness.train.packing import materialize
-        e = 0
-        while True:
-            view, steps = self._epoch(e)
-            if k < len(steps):
-                return materialize(steps[k][0], view)
-            k -= len(steps)
-            e += 1
+        order, mb = self.epochs.step(k)
+        return materialize(mb, _Reordered(self.data, order))
 
 
 class _Reordered:
     def __init__(self, data, order):
         self.data, self.order = data, order
-        self.lengths = [int(data.lengths[i]) for i in order]
 
     def __getitem__(self, i):
         return self.data[int(self.order[i])].astype(np.int64)

@@ -141,6 +141,35 @@ def materialize(mb: PackedMicroBatch, dataset, pad_id: int = 0, ignore_index: in
             "cu_seqlens_padded": mb.cu_seqlens_padded, "max_seqlen": mb.max_seqlen}
 
 
+class EpochSchedule:
+    """Packed steps over shuffled epochs, one rank (the training sources of dsv4 train and the SFT recipe):
+    epoch e orders the n items by a permutation seeded from (seed, salt, e) and packs their lengths into rows of
+    `capacity` tokens (`schedule`); step k (0-based) walks the epochs in turn. Only the current epoch's schedule
+    is kept. `step(k)` -> (order, micro-batch); a segment's `doc` indexes `order`."""
+
+    def __init__(self, lengths, capacity: int, seed: int, salt: int):
+        self.lengths = [int(n) for n in lengths]
+        self.capacity, self.seed, self.salt = capacity, seed, salt
+        self._epoch: tuple | None = None                 # (e, order, steps)
+
+    def epoch(self, e: int) -> tuple[np.ndarray, list]:
+        if self._epoch is None or self._epoch[0] != e:
+            rs = np.random.RandomState((self.seed * 1_000_003 + 7919 * e + self.salt) % 2**32)
+            order = rs.permutation(len(self.lengths))
+            steps = schedule([self.lengths[i] for i in order], dp_size=1, tokens_per_rank=self.capacity)
+            self._epoch = (e, order, steps)
+        return self._epoch[1], self._epoch[2]
+
+    def step(self, k: int) -> tuple[np.ndarray, PackedMicroBatch]:
+        e = 0
+        while True:
+            order, steps = self.epoch(e)
+            if k < len(steps):
+                return order, steps[k][0]
+            k -= len(steps)
+            e += 1
+
+
 def imbalance(steps: list[list[PackedMicroBatch]]) -> dict:
     """max / mean real tokens per rank, per step; summary over all steps and over all but the last step."""
     per_step = []

@@ -26,6 +26,7 @@ import os
 import numpy as np
 
 from dsv4.harness.train.data import DataError
+from dsv4.harness.train.packing import EpochSchedule
 
 IGNORE = -100
 ROLES = ("system", "user", "assistant")
@@ -112,25 +113,12 @@ class SFTSource:
 
     def __init__(self, convs: list[list[dict]], tok, capacity: int, seed: int):
         self.enc = [encode_chat(c, tok) for c in convs]
-        self.capacity, self.seed = capacity, seed
-        self.epochs: dict = {}
-
-    def _epoch(self, e: int):
-        from dsv4.harness.train.packing import schedule
-        if e not in self.epochs:
-            order = np.random.RandomState((self.seed * 1_000_003 + 7919 * e + 3) % 2**32).permutation(len(self.enc))
-            lengths = [len(self.enc[i][0]) for i in order]
-            self.epochs = {e: (order, schedule(lengths, dp_size=1, tokens_per_rank=self.capacity))}
-        return self.epochs[e]
+        self.capacity = capacity
+        self.epochs = EpochSchedule([len(ids) for ids, _ in self.enc], capacity, seed, salt=3)
 
     def batch(self, k: int) -> dict:
-        e = 0
-        while True:
-            order, steps = self._epoch(e)
-            if k < len(steps):
-                return self.materialize(steps[k][0], order)
-            k -= len(steps)
-            e += 1
+        order, mb = self.epochs.step(k)
+        return self.materialize(mb, order)
 
     def materialize(self, mb, order) -> dict:
         tokens = np.zeros(mb.capacity, dtype=np.int64)

@@ -33,6 +33,7 @@ from torch import nn
 
 from dsv4.kernels.quant import fp8_quantize
 from dsv4.kernels.quant.naive import QTensor
+from dsv4.model.precision import autocast_operands
 
 TILE = 128
 LAST_PATH: dict[str, str] = {}          # "fprop" | "dgrad" | "wgrad" -> "emulate" | "scaled_mm" | "bf16-dequant"
@@ -253,11 +254,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cfg: FP8Config = FP8Config
                backend: str = "naive") -> torch.Tensor:
     """x [..., K], weight [N, K] -> [..., N] through FP8 GEMMs (forward and backward); `backend` is the kernel
     backend of the quantiser (kernels/quant: "naive" exact, "triton" fused; the same bits), `cfg.backend` the
-    GEMM's. Under autocast it computes in the autocast dtype, as the nn.Linear it replaces does (`dsv4 train
-    --dtype bf16` keeps FP32 masters under autocast): x is cast, so y and dx come out in that dtype -- else an
-    FP8 projection would hand fp32 queries to kernels whose other operands are bf16."""
-    if torch.is_autocast_enabled(x.device.type):
-        x = x.to(torch.get_autocast_dtype(x.device.type))
+    GEMM's. Under autocast x is cast to the autocast dtype (model.precision.autocast_operands), so y and dx
+    come out in it, as from the nn.Linear it replaces -- else an FP8 projection would hand fp32 queries to
+    kernels whose other operands are bf16. The master weight is quantised as it is."""
+    x, = autocast_operands(x)
     lead = x.shape[:-1]
     y = _FP8LinearFn.apply(x.reshape(-1, x.shape[-1]), weight, cfg, backend)
     return y.reshape(*lead, weight.shape[0])
