@@ -238,6 +238,16 @@ class PackedSource:
         return materialize(mb, _Reordered(self.data, order))
 
 
+def _wait_past_event_files(tb_dir: str) -> None:
+    """Sleep (< 1 s) until the clock's second is past that of every event file in `tb_dir`: a resumed run in the
+    same second would otherwise sort by pid / writer count as text (".10" before ".9") and be read before the
+    run it purges."""
+    secs = [int(f.split(".")[3]) for f in (os.listdir(tb_dir) if os.path.isdir(tb_dir) else [])
+            if f.startswith("events.out.tfevents.") and f.split(".")[3].isdigit()]
+    while secs and time.time() < max(secs) + 1:
+        time.sleep(0.05)
+
+
 class _Reordered:
     def __init__(self, data, order):
         self.data, self.order = data, order
@@ -418,7 +428,11 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
     G.atomic_write_json(os.path.join(out, "run.json"), run_info)
 
     from torch.utils.tensorboard import SummaryWriter
-    # resuming in place: TensorBoard readers drop the old events after the checkpoint's step (no duplicate steps)
+    # resuming in place: TensorBoard readers drop the old events after the checkpoint's step (no duplicate steps),
+    # provided the new event file is read after the old ones: readers take the files in name order
+    # (events.out.tfevents.<second>.<host>.<pid>.<writer count>), so start it in a later second
+    if resume:
+        _wait_past_event_files(os.path.join(out, "tensorboard"))
     tb = SummaryWriter(log_dir=os.path.join(out, "tensorboard"), purge_step=step0 + 1 if resume else None)
     from tqdm import tqdm
     bar = tqdm(total=recipe.steps, initial=step0, file=sys.stderr, disable=not progress, desc="train",

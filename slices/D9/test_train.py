@@ -351,3 +351,19 @@ def test_every_run_is_checkpointed_and_converts(tmp_path):
     from dsv4.harness.report import compare_files
     doc = compare_files(A, A / "golden_values.json", "deterministic", ["lm loss"])
     assert doc["run_provenance"]["seed"] == 1234                          # `dsv4 compare` reports carry it
+
+
+def test_resumed_event_file_starts_in_a_later_second(tmp_path):
+    """A resume in the same second as the run it continues would name its event file with the same second, and
+    readers order the files by name, pid / writer count compared as text (".10" before ".9": the resumed
+    events read first, the purge lost; seen in CI). The loop waits until the second is past every file's."""
+    import time
+    from dsv4.harness.train.loop import _wait_past_event_files
+    now = int(time.time())
+    (tmp_path / f"events.out.tfevents.{now}.host.123.9").write_bytes(b"")
+    (tmp_path / "not-an-event-file").write_bytes(b"")
+    _wait_past_event_files(str(tmp_path))
+    assert time.time() >= now + 1
+    t = time.time()
+    _wait_past_event_files(str(tmp_path / "missing"))                    # no dir, no files: no wait
+    assert time.time() - t < 0.5
