@@ -438,6 +438,11 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
                dynamic_ncols=True)
     tokens_per_step = recipe.batch_size * recipe.seq_len
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if recipe.dtype == "bf16" else None
+    # bf16 (autocast) runs never hold the [B, S, V] logits: the LM / MTP cross-entropies go through
+    # model.head_cross_entropy in row blocks (return_logits=False, as `dsv4 bench train`). fp32 / fp64 runs keep
+    # the materialised logits: the chunked CE sums in another order (debug, 3 steps: ~1e-7 relative in fp32,
+    # 1 ulp in fp64), which would move the CPU loss-curve goldens (tiny_loss_curve is bit-exact, same host).
+    return_logits = amp is None
     ckpt_dir = os.path.join(out, "checkpoints")
     # MoE routing statistics (tokens per expert per layer, read before the bias update resets the counts);
     # written as <out>/routing_stats.json in the format `dsv4 flops --routing-stats` reads
@@ -474,12 +479,13 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
                 real_tokens = int(lens.sum())
                 # per document: Megatron's sum L_i^2
                 step_flops = sum(int(n) * _flops_cached(cfg, int(n)) for n in lens)
-                fwd = lambda: model(x, y, cu_seqlens=cu, cu_seqlens_padded=cup)   # noqa: E731
+                fwd = lambda: model(x, y, return_logits=return_logits,                    # noqa: E731
+                                    cu_seqlens=cu, cu_seqlens_padded=cup)
             else:
                 x, y = samples.batch((step - 1) * recipe.batch_size, recipe.batch_size)
                 x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
                 real_tokens, step_flops = tokens_per_step, fl * tokens_per_step
-                fwd = lambda: model(x, y)                                         # noqa: E731
+                fwd = lambda: model(x, y, return_logits=return_logits)            # noqa: E731
             opt.zero_grad(set_to_none=True)
             if amp is not None:
                 with amp:

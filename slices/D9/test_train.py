@@ -351,3 +351,30 @@ def test_every_run_is_checkpointed_and_converts(tmp_path):
     from dsv4.harness.report import compare_files
     doc = compare_files(A, A / "golden_values.json", "deterministic", ["lm loss"])
     assert doc["run_provenance"]["seed"] == 1234                          # `dsv4 compare` reports carry it
+
+
+def test_bf16_runs_do_not_materialise_logits_fp32_fp64_do(tmp_path, monkeypatch):
+    """harness/train/loop.py: bf16 (autocast) steps call the model with return_logits=False (the chunked
+    head_cross_entropy, as `dsv4 bench train`); fp32 / fp64 keep the materialised logits, so their CPU curves
+    (goldens, bit-exact EXACT metrics) stay as they are. Step 1's losses (same weights) of the bf16 run equal the
+    materialised-logits path's: measured |d| 4.8e-7 lm loss and mtp_1 loss (|loss| 5.5: 1 fp32 ulp) -> atol 5e-6
+    (~10x)."""
+    from dsv4.model.model import DSv4Model
+    seen, real, force = [], DSv4Model.forward, {}
+
+    def spy(self, *a, **kw):
+        seen.append(kw.get("return_logits", True))
+        kw.update(force)
+        return real(self, *a, **kw)
+    monkeypatch.setattr(DSv4Model, "forward", spy)
+    for dt, want in (("fp32", True), ("fp64", True), ("bf16", False)):
+        seen.clear()
+        _run(["--recipe", "debug", "--steps", "1", "--dtype", dt, "--out", str(tmp_path / dt), "--json",
+              "--no-final-checkpoint"])
+        assert seen and set(seen) == {want}, (dt, seen)
+    force["return_logits"] = True
+    _run(["--recipe", "debug", "--steps", "1", "--dtype", "bf16", "--out", str(tmp_path / "mat"), "--json",
+          "--no-final-checkpoint"])
+    a, b = _hist(tmp_path / "bf16")[0], _hist(tmp_path / "mat")[0]
+    for k in ("lm loss", "mtp_1 loss"):
+        assert abs(a[k] - b[k]) <= 5e-6, (k, a[k], b[k])
