@@ -143,7 +143,9 @@ class Gate(nn.Module):
     def update_expert_bias(self) -> None:
         """b_e += gamma * sign(mean_load - load_e) from the counts since the last call; resets the counts."""
         load = self.tokens_per_expert.float()
-        if not self.hash and load.sum() > 0:
+        # no `load.sum() > 0` test (a host sync per gate per step): with no tokens every load is 0, so
+        # sign(mean - load) = +0 and b + 0 = b bit for bit (b never holds -0: it is a sum of +-gamma from +0)
+        if not self.hash:
             self.bias += self.cfg.expert_bias_update_rate * torch.sign(load.mean() - load)
         self.tokens_per_expert.zero_()
 
