@@ -40,26 +40,43 @@ from dsv4.model.recompute import recomputing
 #             FLOPs: for small models and CPU tests;
 #   "auto"    (default) "grouped" for bf16 CUDA tensors when torch has _grouped_mm, else "loop".
 # A choice whose capability is missing raises KernelUnavailable naming it (no probe, no silent fallback).
+# Under torch.autocast (FP32 master weights, bf16 compute: `dsv4 train --precision bf16`) Experts.forward casts
+# w13 and w2 to the autocast dtype once per forward (what every per-expert F.linear under autocast would do) and
+# the mode is chosen for the dtype autocast computes x in (`autocast_dtype`), so "auto" is "grouped" on CUDA
+# for autocast runs too (it used to see fp32 and fall back to "loop"). x itself is cast only after the
+# per-slot gather, so dx still sums a token's K slots in x's dtype (fp32), as before; the output keeps x's dtype.
 EXPERT_GEMMS = ("auto", "loop", "grouped", "dense")
 
 
-def grouped_gemm_missing(x: torch.Tensor, w: torch.Tensor) -> str | None:
-    """What "grouped" needs and `x` / `w` lack (None: it can run)."""
+def grouped_gemm_missing(x: torch.Tensor, w: torch.Tensor, x_dtype: torch.dtype | None = None) -> str | None:
+    """What "grouped" needs and `x` / `w` lack (None: it can run). x_dtype: the dtype the GEMMs see x in
+    (`autocast_dtype(x)` under autocast; default x.dtype)."""
+    xd = x.dtype if x_dtype is None else x_dtype
     if not hasattr(torch, "_grouped_mm"):
         return f"torch._grouped_mm (torch {torch.__version__} has none)"
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        return f"bf16 activations and expert weights (got {x.dtype} / {w.dtype})"
+    if xd != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return f"bf16 activations and expert weights (got {xd} / {w.dtype})"
     return None
 
 
-def expert_gemm(mode: str, x: torch.Tensor, w: torch.Tensor) -> str:
-    """The concrete GEMM mode ("loop" | "grouped" | "dense") that `mode` means for these tensors."""
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast casts x to for a GEMM (None: autocast is off for x's device, or x is not a floating
+    type autocast casts: fp64 stays fp64)."""
+    dev = x.device.type
+    if not torch.is_autocast_enabled(dev) or not x.is_floating_point() or x.dtype == torch.float64:
+        return None
+    return torch.get_autocast_dtype(dev)
+
+
+def expert_gemm(mode: str, x: torch.Tensor, w: torch.Tensor, x_dtype: torch.dtype | None = None) -> str:
+    """The concrete GEMM mode ("loop" | "grouped" | "dense") that `mode` means for these tensors (x_dtype: as in
+    `grouped_gemm_missing`)."""
     if mode not in EXPERT_GEMMS:
         raise ValueError(f"Experts.gemm: unknown mode {mode!r}; known: {', '.join(EXPERT_GEMMS)}")
     if mode == "auto":
-        return "grouped" if x.is_cuda and grouped_gemm_missing(x, w) is None else "loop"
+        return "grouped" if x.is_cuda and grouped_gemm_missing(x, w, x_dtype) is None else "loop"
     if mode == "grouped":
-        missing = grouped_gemm_missing(x, w)
+        missing = grouped_gemm_missing(x, w, x_dtype)
         if missing is not None:
             raise KernelUnavailable(f"Experts.gemm 'grouped' needs {missing}")
     return mode
@@ -126,7 +143,9 @@ class Gate(nn.Module):
     def update_expert_bias(self) -> None:
         """b_e += gamma * sign(mean_load - load_e) from the counts since the last call; resets the counts."""
         load = self.tokens_per_expert.float()
-        if not self.hash and load.sum() > 0:
+        # no `load.sum() > 0` test (a host sync per gate per step): with no tokens every load is 0, so
+        # sign(mean - load) = +0 and b + 0 = b bit for bit (b never holds -0: it is a sum of +-gamma from +0)
+        if not self.hash:
             self.bias += self.cfg.expert_bias_update_rate * torch.sign(load.mean() - load)
         self.tokens_per_expert.zero_()
 
@@ -146,36 +165,38 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [T, d], w [T, K], idx [T, K] -> [T, d] = sum_k w_k Expert_{idx_k}(x) (accumulated in fp32)."""
         out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+        adt = autocast_dtype(x)                                                # the module comment's autocast rule
+        w13, w2 = (self.w13, self.w2) if adt is None else (self.w13.to(adt), self.w2.to(adt))
         order = torch.argsort(idx.reshape(-1), stable=True)                    # token-slots grouped by expert
         tok = order // idx.shape[1]                                            # [T*K] token of each slot
         wk = w.reshape(-1)[order]                                              # [T*K] its routing weight
-        mode = expert_gemm(self.gemm, x, self.w13)
+        mode = expert_gemm(self.gemm, x, w13, adt)
         if mode == "dense":
-            E = self.w13.shape[0]
+            E = w13.shape[0]
             wt = torch.zeros(x.shape[0], E, dtype=w.dtype, device=x.device).scatter_add_(1, idx, w)   # [T, E]
             for e in range(E):
-                gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)           # [T, f] each
-                y = F.linear(clamped_swiglu(gate, up, self.limit, backend=self.backend), self.w2[e])
+                gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)                # [T, f] each
+                y = F.linear(clamped_swiglu(gate, up, self.limit, backend=self.backend), w2[e])
                 out = out + y.to(out.dtype) * wt[:, e, None].to(out.dtype)
             return out.to(x.dtype)
         if mode == "grouped":
             # one grouped GEMM per projection over the expert-sorted slots; no host sync
-            counts = expert_counts(idx, self.w13.shape[0])
+            counts = expert_counts(idx, w13.shape[0])
             offs = torch.cumsum(counts, 0).to(torch.int32)                     # [E] end of each group
-            xs = x[tok]                                                        # [T*K, d]
-            gate, up = torch._grouped_mm(xs, self.w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+            xs = x[tok] if adt is None else x[tok].to(adt)                     # [T*K, d]; cast after the gather
+            gate, up = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
             h = clamped_swiglu(gate, up, self.limit, backend=self.backend)     # [T*K, f]
-            y = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)     # [T*K, d]
+            y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)          # [T*K, d]
             return out.index_add_(0, tok, y.to(out.dtype) * wk[:, None].to(out.dtype)).to(x.dtype)
-        counts = expert_counts(idx, self.w13.shape[0]).tolist()
+        counts = expert_counts(idx, w13.shape[0]).tolist()
         start = 0
         for e, c in enumerate(counts):
             if c == 0:
                 continue
             t = tok[start:start + c]
-            gate, up = F.linear(x[t], self.w13[e]).chunk(2, dim=-1)            # [c, f] each
+            gate, up = F.linear(x[t], w13[e]).chunk(2, dim=-1)                 # [c, f] each
             h = clamped_swiglu(gate, up, self.limit, backend=self.backend)
-            y = F.linear(h, self.w2[e])                                        # [c, d]
+            y = F.linear(h, w2[e])                                             # [c, d]
             out.index_add_(0, t, y.to(out.dtype) * wk[start:start + c, None].to(out.dtype))
             start += c
         return out.to(x.dtype)

@@ -153,6 +153,18 @@ def first_nonfinite(named) -> tuple[str, str] | None:
     return None
 
 
+def host_scalars(floats, ints, device) -> tuple[list[float], list[int]]:
+    """The step's scalars on the host in ONE device->host copy (the loop used one sync per value: ~165 a step
+    for proxy). floats: 0-dim tensors of any floating dtype or Python floats, cast to fp64 on the device (exact:
+    float(t) of an fp32 / bf16 / fp64 tensor is the same Python float); ints: int64 tensors of any shape,
+    flattened. The fp64 values travel bit-cast to int64 beside the ints and are bit-cast back on the host."""
+    f = [v.detach().to(device, torch.float64).reshape(1) if torch.is_tensor(v)
+         else torch.tensor([float(v)], dtype=torch.float64, device=device) for v in floats]
+    i = [t.detach().to(device, torch.int64).reshape(-1) for t in ints]
+    host = torch.cat([torch.cat(f).view(torch.int64), *i]).cpu() if f else torch.cat(i).cpu()
+    return host[:len(f)].view(torch.float64).tolist(), host[len(f):].tolist()
+
+
 def _check_finite(step: int, what: str, named) -> None:
     bad = first_nonfinite(named)
     if bad:
@@ -439,6 +451,11 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
                dynamic_ncols=True)
     tokens_per_step = recipe.batch_size * recipe.seq_len
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if recipe.dtype == "bf16" else None
+    # bf16 (autocast) runs never hold the [B, S, V] logits: the LM / MTP cross-entropies go through
+    # model.head_cross_entropy in row blocks (return_logits=False, as `dsv4 bench train`). fp32 / fp64 runs keep
+    # the materialised logits: the chunked CE sums in another order (debug, 3 steps: ~1e-7 relative in fp32,
+    # 1 ulp in fp64), which would move the CPU loss-curve goldens (tiny_loss_curve is bit-exact, same host).
+    return_logits = amp is None
     ckpt_dir = os.path.join(out, "checkpoints")
     # MoE routing statistics (tokens per expert per layer, read before the bias update resets the counts);
     # written as <out>/routing_stats.json in the format `dsv4 flops --routing-stats` reads
@@ -475,12 +492,13 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
                 real_tokens = int(lens.sum())
                 # per document: Megatron's sum L_i^2
                 step_flops = sum(int(n) * _flops_cached(cfg, int(n)) for n in lens)
-                fwd = lambda: model(x, y, cu_seqlens=cu, cu_seqlens_padded=cup)   # noqa: E731
+                fwd = lambda: model(x, y, return_logits=return_logits,                    # noqa: E731
+                                    cu_seqlens=cu, cu_seqlens_padded=cup)
             else:
                 x, y = samples.batch((step - 1) * recipe.batch_size, recipe.batch_size)
                 x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
                 real_tokens, step_flops = tokens_per_step, fl * tokens_per_step
-                fwd = lambda: model(x, y)                                         # noqa: E731
+                fwd = lambda: model(x, y, return_logits=return_logits)            # noqa: E731
             opt.zero_grad(set_to_none=True)
             if amp is not None:
                 with amp:
@@ -491,17 +509,26 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t_fb = time.perf_counter() - t0
-            num_zeros = sum(int((p.grad == 0).sum()) if p.grad is not None else p.numel() for p in params)
+            grads = [p.grad for p in params if p.grad is not None]
             # = clip_grad_norm_ (same two calls), with the unclipped norm checked in between: a NaN/Inf stops here
-            total_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-            if not (math.isfinite(float(o.loss.detach())) and math.isfinite(float(total_norm))):
+            total_norm = torch.nn.utils.get_total_norm(grads)
+            # every scalar the step reports, in one device->host copy (host_scalars): losses, the norm, the
+            # zero-gradient count (int64 on the device) and the routing counts (read before the bias update)
+            zeros = torch.stack([(g == 0).sum() for g in grads]).sum() if grads else torch.zeros((), dtype=torch.long)
+            loss_names = list(o.losses)
+            hf, it = host_scalars([o.loss, total_norm, *o.losses.values()],
+                                  [zeros, *(g.tokens_per_expert for g in gates.values())], device)
+            loss_v, gnorm, loss_vals = hf[0], hf[1], dict(zip(loss_names, hf[2:]))
+            num_zeros = it[0] + sum(p.numel() for p in params if p.grad is None)
+            if not (math.isfinite(loss_v) and math.isfinite(gnorm)):
                 _check_finite(step, "loss", [*o.losses.items(), ("total loss", o.loss.detach())])
                 _check_finite(step, "gradient", [(n, p.grad) for n, p in named])
-                raise NonFiniteError(step, "gradient", "norm", str(float(total_norm)))   # finite grads, norm overflow
+                raise NonFiniteError(step, "gradient", "norm", str(gnorm))   # finite grads, norm overflow
             torch.nn.utils.clip_grads_with_norm_(params, recipe.clip_grad, total_norm)
-            gnorm = float(total_norm)
             opt.step()
-            step_loads = {k: g.tokens_per_expert.detach().cpu().tolist() for k, g in gates.items()}
+            step_loads, at = {}, 1
+            for k, g in gates.items():
+                step_loads[k], at = it[at:at + g.tokens_per_expert.numel()], at + g.tokens_per_expert.numel()
             for k, v in step_loads.items():
                 routing[k] = [a + b for a, b in zip(routing.get(k, [0] * len(v)), v)]
             if hasattr(model, "update_expert_bias"):
@@ -511,11 +538,11 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            rec = {"step": step, "lr": lr, "total loss": float(o.loss.detach()), "grad-norm": gnorm,
+            rec = {"step": step, "lr": lr, "total loss": loss_v, "grad-norm": gnorm,
                    "num-zeros": float(num_zeros), "iteration-time": dt, "tokens-per-sec": real_tokens / dt,
                    "tflops": step_flops / dt / 1e12, "fwd-bwd-time": t_fb, "tokens": float(real_tokens),
                    "optimizer-time": dt - t_fb}
-            rec.update({k: float(v) for k, v in o.losses.items()})
+            rec.update(loss_vals)
             if recipe.mtp_weight_after_decay is not None:
                 rec["mtp-weight"] = cfg.mtp_loss_scaling_factor
             if stages is not None:

@@ -108,7 +108,14 @@ def indexer_scores_listed_bwd(dI: Tensor, qI: Tensor, kI: Tensor, w: Tensor, idx
         dd = (g * w[a:e, None, :].float() * s) * (d > 0)                          # [C, k, nI]
         dq[a:e] = torch.bmm(dd.transpose(1, 2).to(K.dtype), K).float()           # [C, nI, cI]
         dks = torch.bmm(dd.to(K.dtype), qI[a:e].to(K.dtype)).float()             # [C, k, cI]
-        dk.index_add_(0, torch.where(idx[a:e] >= 0, idx[a:e], 0).flatten(), dks.flatten(0, 1))
+        # Only the valid picks are added: a -1 pick's dks is zero (dI is zeroed above) and was once sent to
+        # row 0, but under torch.use_deterministic_algorithms CUDA's index_add_ is a sorted
+        # index_put_(accumulate=True) that walks repeated indices serially, so every -1 of the chunk (~25% of
+        # the slots at 4K) queued on row 0. Same set of nonzero fp32 adds; one host sync per chunk (nonzero),
+        # fine inside this custom op (opaque to torch.compile).
+        fi = idx[a:e].flatten()
+        keep = (fi >= 0).nonzero().squeeze(1)
+        dk.index_add_(0, fi[keep], dks.flatten(0, 1)[keep])
     return dq.to(qI.dtype), dk.to(kI.dtype), dw.to(w.dtype)
 
 

@@ -131,3 +131,37 @@ def test_listed_scores_chunked_op_matches_naive_with_gradients():
     have = torch.autograd.grad(got.masked_fill(~fin, 0), (q, kI, w), dI)
     for n, a, b in zip(("dq", "dk", "dw"), have, want):
         assert_close(n, a, b, 1e-5, 1e-5)
+
+
+def test_listed_scores_backward_adds_only_valid_picks(monkeypatch):
+    """dk of the listed-scores backward: the -1 picks are not index_add_'ed at all (they once all went to row 0,
+    which CUDA's deterministic index_add_ -- a sorted index_put_(accumulate=True) -- walks serially: ~500K adds on
+    one row per CSA layer at 4K). Every index passed is a valid pick, each valid pick exactly once, and dk equals
+    the old formula's (all slots, -1 -> row 0 with a zero dks) bit for bit on CPU: the dropped adds are +0."""
+    from dsv4.kernels.indexer import op as iop
+    g = torch.Generator().manual_seed(7)
+    Tq, nI, cI, N, k = 1100, 3, 8, 37, 6                       # > one 512-query chunk
+    q, kI, w = torch.randn(Tq, nI, cI, generator=g), torch.randn(N, cI, generator=g), torch.randn(Tq, nI, generator=g)
+    idx = torch.rand(Tq, N, generator=g).topk(k, -1).indices
+    idx = torch.where(torch.rand(Tq, k, generator=g) < 0.3, -1, idx)
+    dI = torch.randn(Tq, k, generator=g)
+    seen, real = [], torch.Tensor.index_add_
+
+    def spy(self, dim, index, source, *a, **kw):
+        seen.append(index.clone())
+        return real(self, dim, index, source, *a, **kw)
+    monkeypatch.setattr(torch.Tensor, "index_add_", spy)
+    _, dk, _ = torch.ops.dsv4.indexer_scores_listed_bwd(dI, q, kI, w, idx)
+    monkeypatch.undo()
+    got = torch.cat(seen)
+    assert (got >= 0).all() and got.numel() == int((idx >= 0).sum())
+    assert torch.equal(got.bincount(minlength=N), idx[idx >= 0].bincount(minlength=N))
+    old = torch.zeros(N, cI)                                   # the old formula, dk only
+    s, dIz = (nI * cI) ** -0.5, torch.where(idx >= 0, dI, torch.zeros_like(dI))
+    for a in range(0, Tq, iop._CHUNK):
+        e = min(a + iop._CHUNK, Tq)
+        K, d = iop._dots(q[a:e], kI, idx[a:e])
+        dd = (dIz[a:e, :, None] * w[a:e, None, :] * s) * (d > 0)
+        dks = torch.bmm(dd, q[a:e])
+        old.index_add_(0, torch.where(idx[a:e] >= 0, idx[a:e], 0).flatten(), dks.flatten(0, 1))
+    assert torch.equal(dk, old)

@@ -206,3 +206,53 @@ def test_grouped_expert_path_matches_loop():
         # bf16: 2e-2 = 2.5 bf16 eps (2^-7), room for another accumulation order in _grouped_mm; measured bit-equal
         # to the loop on all 11 simulated CPU hosts
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=name)
+
+
+def test_experts_under_autocast_cast_once_and_grouped_runs():
+    """bf16 autocast over FP32 masters (`dsv4 train --precision bf16`): Experts.forward casts w13, w2 to the
+    autocast dtype once and chooses the mode for the autocast dtype of x (model/moe.py's autocast rule), so "auto"
+    = "grouped" on CUDA (it used to see fp32 and fall back to "loop"; forcing "grouped" raised KernelUnavailable).
+    The loop path equals a per-expert F.linear-under-autocast oracle (the old path's casts) bit for bit, values
+    and gradients (x is cast after the gather: dx still sums a token's K slots in fp32); "grouped" equals the
+    loop within the bf16 tolerance of test_grouped_expert_path_matches_loop."""
+    torch.manual_seed(0)
+    cfg = get_config("debug", moe_intermediate_size=32, hidden_size=64)
+    ex = moe.Experts(cfg)                                               # fp32 masters
+    T, K, E = 61, cfg.num_experts_per_tok, cfg.n_routed_experts
+    x = torch.randn(T, cfg.hidden_size, requires_grad=True)            # fp32 stream
+    idx = torch.stack([torch.randperm(E - 1)[:K] for _ in range(T)])   # expert E-1 gets no token
+    w = torch.rand(T, K)
+    assert moe.autocast_dtype(x) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert moe.autocast_dtype(x) == torch.bfloat16 and moe.autocast_dtype(x.double()) is None
+        w13c = ex.w13.to(torch.bfloat16)
+        assert moe.grouped_gemm_missing(x, w13c, torch.bfloat16) is None   # "auto"'s rule: grouped iff this + CUDA
+        assert moe.grouped_gemm_missing(x, ex.w13, torch.bfloat16) is not None
+        assert moe.expert_gemm("grouped", x, w13c, torch.bfloat16) == "grouped"
+
+    def oracle():                                                       # the old loop: casts inside F.linear
+        out = torch.zeros(T, cfg.hidden_size)
+        for e in range(E):
+            t, k = (idx == e).nonzero(as_tuple=True)
+            if t.numel():
+                gate, up = F.linear(x[t], ex.w13[e]).chunk(2, dim=-1)
+                y = F.linear(moe.clamped_swiglu(gate, up, ex.limit), ex.w2[e])
+                out.index_add_(0, t, y.float() * w[t, k, None])
+        return out
+
+    def run(fn):
+        ex.zero_grad(set_to_none=True)
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fn()
+        assert y.dtype == torch.float32
+        (y ** 2).sum().backward()
+        return y.detach(), x.grad, ex.w13.grad, ex.w2.grad
+
+    ref = run(oracle)
+    ex.gemm = "loop"
+    for name, a, b in zip(("y", "dx", "dw13", "dw2"), run(lambda: ex(x, w, idx)), ref):
+        assert torch.equal(a, b), name
+    ex.gemm = "grouped"
+    for name, a, b in zip(("y", "dx", "dw13", "dw2"), run(lambda: ex(x, w, idx)), ref):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=name)

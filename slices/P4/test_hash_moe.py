@@ -107,6 +107,11 @@ def test_bias_update_moves_load_towards_balance():
     l1 = load()
     assert (l1 - l1.mean()).abs().sum() < 0.25 * spread0
     assert not moe.gate.bias.requires_grad
+    # no tokens since the last update: the bias stays bit for bit (update_expert_bias has no `sum > 0` host test)
+    moe.gate.tokens_per_expert.zero_()
+    before = moe.gate.bias.clone()
+    moe.gate.update_expert_bias()
+    assert torch.equal(moe.gate.bias, before) and not (moe.gate.bias == 0).logical_and(moe.gate.bias.signbit()).any()
 
 
 def test_hash_layer_bias_update_is_noop_and_eval_counts_nothing():
