@@ -3,6 +3,7 @@
 # under $OUT (torch 2.11 / triton 3.6 / Python 3.12, no internet; .whl/ holds transformers for the HF peer).
 #   OUT=/path DSV4_GIT_SHA=<sha> bash harness/device/final_h200.sh train   # curves + the 64K stage; then ours vs HF at 4K
 #   OUT=/path DSV4_GIT_SHA=<sha> bash harness/device/final_h200.sh more    # compile + packed training; then decode
+#   OUT=/path DSV4_GIT_SHA=<sha> bash harness/device/final_h200.sh speed   # step times: dsv4 train 20 steps, bench rows
 #   SMOKE=1 ... : the same steps on a CPU at debug sizes (checks the script, measures nothing)
 # `train` (one call): side by side on the one GPU (host-bound steps overlap; their losses are compared, their step
 # times are contended and not speed results):
@@ -12,6 +13,10 @@
 # then alone: bench_train.json, `dsv4 bench train` ours vs hf_eager vs hf_compile at 4K tokens (B=2).
 # `more`: compile_train/ (`--compile --steps 12`: torch.compile of every block trains, issue 12) and packed_train/
 # (`--packing --steps 4`: packed THD rows on the Triton kernels) side by side. Decode is harness/device/gen_h200.sh.
+# `speed` (issue 13): each alone, in order, every step cut to what is left of DEADLINE s (default 540):
+#   train20/          `dsv4 train --recipe proxy --steps 20` (its per-step fwd-bwd time, not contended)
+#   bench_train.json  `dsv4 bench train` rows in separate processes (--append): ours 4K+16K B=2 --profile,
+#                     hf_eager 4K+16K, ours_compile 4K, hf_compile 4K
 # Every run dir keeps golden_values.json, run.json, metrics.jsonl (metrics.jsonl is written per step, so a run cut by
 # its time limit keeps its steps). summary.txt: one line per step with its exit code and seconds. All of $OUT is
 # also packed into results.tgz (a device call returns at most 8 files).
@@ -24,7 +29,7 @@ export PYTHONUNBUFFERED=1
 SHIM=$(mktemp -d /tmp/fshim.XXXXXX)
 mkdir -p "$SHIM/dsv4"; cp harness/_root/__init__.py "$SHIM/dsv4/__init__.py"
 for d in model kernels harness slices; do ln -sfn "$PWD/$d" "$SHIM/dsv4/$d"; done
-if [ "$WHAT" = train ] && ls .whl/*.whl >/dev/null 2>&1; then
+if [ "$WHAT" != more ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SHIM/site" .whl/*.whl || exit 3
 fi
 export PYTHONPATH="$SHIM:$SHIM/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -60,6 +65,16 @@ elif [ "$WHAT" = more ]; then
   run packed_train ${TA:-300} "$D train --recipe $R --steps 4 --packing $E --out $SHIM/run_packed_train --no-final-checkpoint --json" &
   wait
   for r in compile_train packed_train; do keep $r; done
+elif [ "$WHAT" = speed ]; then
+  T0=$(date +%s); DL=${DEADLINE:-540}
+  left() { local l=$(( DL - ($(date +%s) - T0) - 10 )); [ "$1" -lt "$l" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo $l; }
+  run train20 $(left 120) "$D train --recipe $R --steps 20 $E --out $SHIM/run_train20 --no-final-checkpoint --json"
+  keep train20
+  T16=$(( T4 * 4 ))
+  run bench_ours $(left 120) "$BT $SM --tokens $T4,$T16 --batch 2 --impls ours --profile --append --out $OUT/bench_train.json"
+  run bench_hf_eager $(left 90) "$BT $SM --tokens $T4,$T16 --batch 2 --impls hf_eager --append --out $OUT/bench_train.json"
+  run bench_ours_compile $(left 150) "$BT $SM --tokens $T4 --batch 2 --impls ours_compile --append --out $OUT/bench_train.json"
+  run bench_hf_compile $(left 200) "$BT $SM --tokens $T4 --batch 2 --impls hf_compile --append --out $OUT/bench_train.json"
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used --format=csv >> "$OUT/env.txt"
 rm -rf "$SHIM"
