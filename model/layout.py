@@ -121,7 +121,9 @@ def roll_packed(x: torch.Tensor, seg: torch.Tensor, fill=0) -> tuple[torch.Tenso
     valid = (seg >= 0) & (nxt_seg == seg)
     nxt = torch.cat([x[1:], x[:1]], dim=0)                                     # x[t+1] (wraps; masked below)
     vshape = (T,) + (1,) * (x.dim() - 1)
-    return torch.where(valid.view(vshape), nxt, torch.as_tensor(fill, dtype=x.dtype, device=x.device)), valid
+    if isinstance(fill, torch.Tensor):
+        fill = fill.to(x.dtype).item() if fill.device.type == "cpu" else fill.to(x.dtype)
+    return torch.where(valid.view(vshape), nxt, fill), valid             # a Python fill: no host->device copy
 
 
 @dataclass(eq=False)

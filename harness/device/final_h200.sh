@@ -13,9 +13,9 @@
 # then alone: bench_train.json, `dsv4 bench train` ours vs hf_eager vs hf_compile at 4K tokens (B=2).
 # `more`: compile_train/ (`--compile --steps 12`: torch.compile of every block trains, issue 12) and packed_train/
 # (`--packing --steps 4`: packed THD rows on the Triton kernels) side by side. Decode is harness/device/gen_h200.sh.
-# `speed` (issue 13): each alone, in order, every step cut to what is left of DEADLINE s (default 540):
+# `speed` (issue 13): each alone, in order (SPEED= a subset), every step cut to what is left of DEADLINE s (540):
 #   train20/          `dsv4 train --recipe proxy --steps 20` (its per-step fwd-bwd time, not contended)
-#   bench_train.json  `dsv4 bench train` rows in separate processes (--append): ours 4K+16K B=2 --profile,
+#   bench_train.json  `dsv4 bench train --profile` rows in separate processes (--append): ours 4K+16K B=2,
 #                     hf_eager 4K+16K, ours_compile 4K, hf_compile 4K
 # Every run dir keeps golden_values.json, run.json, metrics.jsonl (metrics.jsonl is written per step, so a run cut by
 # its time limit keeps its steps). summary.txt: one line per step with its exit code and seconds. All of $OUT is
@@ -26,6 +26,11 @@ FINAL=${OUT:-/tmp/final_h200}       # gets results.tgz (everything) and summary.
 OUT=$(mktemp -d /tmp/fwork.XXXXXX)
 mkdir -p "$FINAL"
 export PYTHONUNBUFFERED=1
+# Compile caches: with .dcache/ carried in (a previous call's caches.tgz unpacked there) Triton's kernels, its
+# autotuning choices and Inductor's graphs are reused (first-step seconds shrink; step times do not change).
+# CACHES=1 packs them into $FINAL/caches.tgz for the next call.
+mkdir -p .dcache/triton .dcache/inductor
+export TRITON_CACHE_DIR=$PWD/.dcache/triton TORCHINDUCTOR_CACHE_DIR=$PWD/.dcache/inductor TRITON_CACHE_AUTOTUNING=1
 SHIM=$(mktemp -d /tmp/fshim.XXXXXX)
 mkdir -p "$SHIM/dsv4"; cp harness/_root/__init__.py "$SHIM/dsv4/__init__.py"
 for d in model kernels harness slices; do ln -sfn "$PWD/$d" "$SHIM/dsv4/$d"; done
@@ -68,15 +73,16 @@ elif [ "$WHAT" = more ]; then
 elif [ "$WHAT" = speed ]; then
   T0=$(date +%s); DL=${DEADLINE:-540}
   left() { local l=$(( DL - ($(date +%s) - T0) - 10 )); [ "$1" -lt "$l" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo $l; }
-  run train20 $(left 120) "$D train --recipe $R --steps 20 $E --out $SHIM/run_train20 --no-final-checkpoint --json"
-  keep train20
   T16=$(( T4 * 4 ))
-  run bench_ours $(left 120) "$BT $SM --tokens $T4,$T16 --batch 2 --impls ours --profile --append --out $OUT/bench_train.json"
-  run bench_hf_eager $(left 90) "$BT $SM --tokens $T4,$T16 --batch 2 --impls hf_eager --append --out $OUT/bench_train.json"
-  run bench_ours_compile $(left 150) "$BT $SM --tokens $T4 --batch 2 --impls ours_compile --append --out $OUT/bench_train.json"
-  run bench_hf_compile $(left 200) "$BT $SM --tokens $T4 --batch 2 --impls hf_compile --append --out $OUT/bench_train.json"
+  for st in ${SPEED:-train20 bench_ours bench_hf_eager bench_ours_compile bench_hf_compile}; do case $st in
+    train20) run train20 $(left 120) "$D train --recipe $R --steps 20 $E --out $SHIM/run_train20 --no-final-checkpoint --json"
+             keep train20 ;;
+    bench_ours|bench_hf_eager) run $st $(left 120) "$BT $SM --tokens $T4,$T16 --batch 2 --impls ${st#bench_} --profile --append --out $OUT/bench_train.json" ;;
+    bench_*) run $st $(left 240) "$BT $SM --tokens $T4 --batch 2 --impls ${st#bench_} --profile --append --out $OUT/bench_train.json" ;;
+  esac; done
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used --format=csv >> "$OUT/env.txt"
 rm -rf "$SHIM"
 cat "$OUT/summary.txt"
 tar czf "$FINAL/results.tgz" -C "$OUT" . && cp "$OUT/summary.txt" "$FINAL/summary.txt"
+[ "${CACHES:-0}" = 1 ] && tar czf "$FINAL/caches.tgz" -C .dcache . && ls -la "$FINAL"

@@ -23,7 +23,8 @@ Implementations (`--impls`, comma list):
 Compiled rows carry `compile_stats` (Dynamo graphs, graph breaks, Inductor cudagraph skips during the row).
 
 `--profile`: after timing, one more step under torch.profiler (harness/train/profile_step.py `profile_summary`):
-kernel launches per step, device and host ms, top kernels and top CPU ops; no trace is kept.
+kernel launches per step, device and host ms, top kernels and top CPU ops, and the host syncs by source line
+(one more step under torch.cuda.set_sync_debug_mode); no trace is kept.
 
 Output: after every row `--out` is rewritten atomically with all rows so far (a killed run keeps its finished
 rows). `--append`: rows of an existing `--out` are kept, a new row replacing the one of the same
@@ -333,6 +334,7 @@ def _progress(rec) -> str:
         p = rec["profile"]
         line += f", {p['launches_per_step']} {p['launch_unit']}s/step, host {p['host_ms']:.0f} ms"
         line += "" if p["device_ms"] is None else f", device {p['device_ms']:.0f} ms"
+        line += "" if p.get("host_syncs") is None else f", {p['host_syncs']['per_step']} host syncs"
     if "compile_stats" in rec:
         line += ", " + " ".join(f"{k}={v}" for k, v in rec["compile_stats"].items())
     return line

@@ -6,7 +6,9 @@ result, and a command writing the full tables for our model on a GPU.
 `profile_summary(step, device)`: one step under the profiler (CUDA activity on a GPU, CPU otherwise) ->
 launches_per_step (device kernel events; on CPU, CPU op events: `launch_unit` says which), device_ms (sum of
 kernel time; None on CPU), host_ms (wall of the profiled step), host_launch_calls (CUDA runtime launch calls,
-cudaGraphLaunch included), the top 15 kernels by device time and the top 10 CPU ops by self CPU time.
+cudaGraphLaunch included), the top 25 kernels by device time, the top 15 CPU ops by self CPU time, and
+`host_syncs` (CUDA only: the step's synchronising CUDA calls -- .item(), nonzero, host<->device copies -- counted
+by torch.cuda.set_sync_debug_mode in one more step, each attributed to the innermost frame of this repo).
 
 The command writes DIR/profile_<T>.txt: key_averages sorted by CUDA time (self and total), with record_function
 ranges around each block's attention / FFN / mHC and the heads (forward only; backward kernels are listed by
@@ -110,9 +112,49 @@ def summarize(prof, host_s: float, top_kernels: int = 15, top_ops: int = 10) -> 
             "note": "one step under torch.profiler (its overhead included); shares of the summed time"}
 
 
-def profile_summary(step, device, top_kernels: int = 15, top_ops: int = 10) -> dict:
+def sync_sites(step, device, top: int = 20) -> dict | None:
+    """{"per_step", "sites": [{"where", "count"}]}: the synchronising CUDA calls of one call of `step`
+    (torch.cuda.set_sync_debug_mode("warn"); a warning each), by the innermost stack frame under this repo's
+    model/ kernels/ harness/ (else the innermost frame). None off CUDA."""
+    import traceback
+    import warnings
+    if torch.device(device).type != "cuda":
+        return None
+    sites: dict[str, int] = {}
+    mine = ("/model/", "/kernels/", "/harness/")
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" not in str(message):
+            return
+        fr = [f for f in traceback.extract_stack()[:-1] if any(m in f.filename for m in mine)
+              and not f.filename.endswith(("profile_step.py", "bench.py"))]
+        f = fr[-1] if fr else None
+        where = f"{f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" if f \
+            else f"{filename}:{lineno}"
+        sites[where] = sites.get(where, 0) + 1
+
+    torch.cuda.synchronize()
+    old_mode, old_show = torch.cuda.get_sync_debug_mode(), warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(old_mode)
+            warnings.showwarning = old_show
+    torch.cuda.synchronize()
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1])
+    return {"per_step": sum(sites.values()),
+            "sites": [{"where": w, "count": c} for w, c in ranked[:top]]}
+
+
+def profile_summary(step, device, top_kernels: int = 25, top_ops: int = 15) -> dict:
     prof, host_s = profile_once(step, device)
-    return summarize(prof, host_s, top_kernels, top_ops)
+    out = summarize(prof, host_s, top_kernels, top_ops)
+    out["host_syncs"] = sync_sites(step, device)
+    return out
 
 
 def main(argv=None):

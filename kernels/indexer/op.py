@@ -69,6 +69,7 @@ def indexer_scores(qI: Tensor, kI: Tensor, w: Tensor, ratio: int, seg_q: Tensor,
 #   dw[t,h] = s * sum_k dI[t,k] ReLU(dots);  dd = dI[t,k] s w[t,h] 1[dots > 0]
 #   dqI[t,h] = sum_k dd[t,k,h] kI[idx[t,k]];  dkI[idx[t,k]] += sum_h dd[t,k,h] qI[t,h]
 _CHUNK = 512                    # queries per chunk: [512, k=512, cI=128] bf16 = 64 MiB gathered at a time
+_SPILL_ROWS = 4096              # dk rows that absorb the -1 picks' zero adds (spread: no long serial queue)
 
 
 def _dots(qI, kI, idx):
@@ -98,7 +99,9 @@ def indexer_scores_listed_bwd(dI: Tensor, qI: Tensor, kI: Tensor, w: Tensor, idx
     s = (nI * cI) ** -0.5
     dq = torch.empty(qI.shape, device=qI.device, dtype=torch.float32)
     dw = torch.empty(w.shape, device=qI.device, dtype=torch.float32)
-    dk = torch.zeros(kI.shape, device=qI.device, dtype=torch.float32)
+    n_kv, spill = kI.shape[0], min(_CHUNK * idx.shape[1], _SPILL_ROWS)
+    dk = torch.zeros((n_kv + spill, *kI.shape[1:]), device=qI.device, dtype=torch.float32)   # + spill rows
+    spill_row = n_kv + torch.arange(_CHUNK * idx.shape[1], device=qI.device) % spill           # [C*k]
     dI = torch.where(idx >= 0, dI, torch.zeros_like(dI)).float()
     for a in range(0, idx.shape[0], _CHUNK):
         e = min(a + _CHUNK, idx.shape[0])
@@ -108,15 +111,15 @@ def indexer_scores_listed_bwd(dI: Tensor, qI: Tensor, kI: Tensor, w: Tensor, idx
         dd = (g * w[a:e, None, :].float() * s) * (d > 0)                          # [C, k, nI]
         dq[a:e] = torch.bmm(dd.transpose(1, 2).to(K.dtype), K).float()           # [C, nI, cI]
         dks = torch.bmm(dd.to(K.dtype), qI[a:e].to(K.dtype)).float()             # [C, k, cI]
-        # Only the valid picks are added: a -1 pick's dks is zero (dI is zeroed above) and was once sent to
-        # row 0, but under torch.use_deterministic_algorithms CUDA's index_add_ is a sorted
-        # index_put_(accumulate=True) that walks repeated indices serially, so every -1 of the chunk (~25% of
-        # the slots at 4K) queued on row 0. Same set of nonzero fp32 adds; one host sync per chunk (nonzero),
-        # fine inside this custom op (opaque to torch.compile).
+        # A -1 pick's dks is zero (dI is zeroed above); it goes to one of the `spill` rows past the end, dropped
+        # below, spread so that no row queues many adds: under torch.use_deterministic_algorithms CUDA's
+        # index_add_ is a sorted index_put_(accumulate=True) that walks repeated indices serially (all -1s once
+        # went to row 0: ~500K serial adds per CSA layer at 4K), and compacting the valid picks (nonzero) cost a
+        # host sync per chunk. The real rows get the same adds in the same order as before.
         fi = idx[a:e].flatten()
-        keep = (fi >= 0).nonzero().squeeze(1)
-        dk.index_add_(0, fi[keep], dks.flatten(0, 1)[keep])
-    return dq.to(qI.dtype), dk.to(kI.dtype), dw.to(w.dtype)
+        fi = torch.where(fi >= 0, fi, spill_row[:fi.numel()])
+        dk.index_add_(0, fi, dks.flatten(0, 1))
+    return dq.to(qI.dtype), dk[:n_kv].to(kI.dtype), dw.to(w.dtype)
 
 
 @indexer_scores_listed_bwd.register_fake

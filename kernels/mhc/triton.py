@@ -401,10 +401,10 @@ class _HcPre(torch.autograd.Function):
             x, fn32, dh, cx, pre, du, dx, part, N, K, d, R, N.bit_length(), NS=n, NP=NP, RP=RP, EXACT=_exact(x),
             IEEE=_ieee(x))
         dfn = part[:tuned(_pre_bwd_dx, "NSPLIT")].sum(0)[:, :R].t()             # [R, n*d]
-        groups = torch.tensor([0] * n + [1] * n + [2] * (n * n), device=x.device)   # scale index of each row
         dz = dz[:, :R]
         dbase = dz.sum(0)
-        dscale = torch.zeros(3, **f32).index_add_(0, groups, (dz * mix[:, :R]).sum(0))
+        ds = (dz * mix[:, :R]).sum(0)                                            # [R] rows: pre n, post n, comb n*n
+        dscale = torch.stack([ds[:n].sum(), ds[n:2 * n].sum(), ds[2 * n:].sum()])   # [3] (no host->device index)
         return dx, dfn.to(fdt).contiguous(), dbase.to(bdt), dscale.to(sdt), None, None, None
 
 
