@@ -123,13 +123,22 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 class RotaryTable(nn.Module):
     """One table's inv_freq, kept as a plain fp32 attribute (not a buffer): `module.to(bf16)` must not round it,
-    and it is not part of the state dict (as in HF). It follows the device of the positions it is used with."""
+    and it is not part of the state dict (as in HF). It moves with the module's device (`_apply`: `.to(device)`,
+    `.cuda()`, `to_empty`), never its dtype, so a step copies nothing host->device (that copy synchronises: 29
+    host syncs a proxy step on the H200 when it followed the positions' device at every call)."""
 
     def __init__(self, cfg: DSv4Config, table: str):
         super().__init__()
-        self.table, self.rope_dim = table, cfg.qk_rope_head_dim
+        self.cfg, self.table, self.rope_dim = cfg, table, cfg.qk_rope_head_dim
         self.inv_freq = inv_freq_for(cfg, table)
         self.scale = rope_attention_factor(cfg, table)
+
+    def _apply(self, fn, recurse=True):
+        dev = fn(torch.empty(0, device=self.inv_freq.device)).device         # where fn sends tensors (not dtype)
+        if dev != self.inv_freq.device:
+            src = self.inv_freq if self.inv_freq.device.type != "meta" else inv_freq_for(self.cfg, self.table)
+            self.inv_freq = src.to(dev)
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         return apply_rope(x, positions, self.inv_freq, self.rope_dim, inverse, self.scale)

@@ -4,6 +4,8 @@
 #   OUT=/path DSV4_GIT_SHA=<sha> bash harness/device/final_h200.sh train   # curves + the 64K stage; then ours vs HF at 4K
 #   OUT=/path DSV4_GIT_SHA=<sha> bash harness/device/final_h200.sh more    # compile + packed training; then decode
 #   OUT=/path DSV4_GIT_SHA=<sha> bash harness/device/final_h200.sh speed   # step times: dsv4 train 20 steps, bench rows
+#   ... final_h200.sh train speed : both, one deadline (DEADLINE s from the start; LONG=0 / PEERS=0 drop the 64K
+#   stage / bench_peers from train)
 #   SMOKE=1 ... : the same steps on a CPU at debug sizes (checks the script, measures nothing)
 # `train` (one call): side by side on the one GPU (host-bound steps overlap; their losses are compared, their step
 # times are contended and not speed results):
@@ -21,7 +23,7 @@
 # its time limit keeps its steps). summary.txt: one line per step with its exit code and seconds. All of $OUT is
 # also packed into results.tgz (a device call returns at most 8 files).
 set -u
-WHAT=${1:-train}
+WHATS=${*:-train}                  # one or more of: train more speed (run in that order)
 FINAL=${OUT:-/tmp/final_h200}       # gets results.tgz (everything) and summary.txt: a device call returns <= 8 files
 OUT=$(mktemp -d /tmp/fwork.XXXXXX)
 mkdir -p "$FINAL"
@@ -34,7 +36,7 @@ export TRITON_CACHE_DIR=$PWD/.dcache/triton TORCHINDUCTOR_CACHE_DIR=$PWD/.dcache
 SHIM=$(mktemp -d /tmp/fshim.XXXXXX)
 mkdir -p "$SHIM/dsv4"; cp harness/_root/__init__.py "$SHIM/dsv4/__init__.py"
 for d in model kernels harness slices; do ln -sfn "$PWD/$d" "$SHIM/dsv4/$d"; done
-if [ "$WHAT" != more ] && ls .whl/*.whl >/dev/null 2>&1; then
+if [ "$WHATS" != more ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SHIM/site" .whl/*.whl || exit 3
 fi
 export PYTHONPATH="$SHIM:$SHIM/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -55,15 +57,18 @@ if [ "$S" = 1 ]; then R=debug; N=4; RL="long-debug --steps 3"; E="--backend naiv
   SM="--smoke --tokens 256 --batch 2 --steps 2 --warmup 1"; T4=256
 else R=proxy; N=300; RL="long-proxy --curriculum proxy-64k --lr-schedule cosine"; E="--backend triton"
   SM="--config proxy --steps 5 --warmup 2"; T4=4096; fi
+T0=$(date +%s); DL=${DEADLINE:-540}
+left() { local l=$(( DL - ($(date +%s) - T0) - 10 )); [ "$1" -lt "$l" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo $l; }
+for WHAT in $WHATS; do
 if [ "$WHAT" = train ]; then
   # A: side by side on the one GPU (host-bound 4K steps overlap); B: the HF peers at 4K
   for p in bf16 fp8_block fp4_qat; do
-    run "curve_$p" ${TA:-330} "$D train --recipe $R --steps $N --precision $p $E --out $SHIM/run_curve_$p --no-final-checkpoint --json" &
+    run "curve_$p" $(left ${TA:-330}) "$D train --recipe $R --steps $N --precision $p $E --out $SHIM/run_curve_$p --no-final-checkpoint --json" &
   done
   # the 64K stage (6 steps: fewer than long-proxy's warm-up, so the cosine schedule; its WSD decay starts at 65)
-  run train64k ${TA:-330} "$D train --recipe $RL $E --out $SHIM/run_train64k --no-final-checkpoint --json" &
+  [ "${LONG:-1}" = 1 ] && run train64k ${TA:-330} "$D train --recipe $RL $E --out $SHIM/run_train64k --no-final-checkpoint --json" &
   wait
-  run bench_peers ${TB:-150} "$BT $SM --tokens $T4 --batch 2 --impls ours,hf_eager,hf_compile --append --out $OUT/bench_train.json"
+  [ "${PEERS:-1}" = 1 ] && run bench_peers $(left ${TB:-150}) "$BT $SM --tokens $T4 --batch 2 --impls ours,hf_eager,hf_compile --append --out $OUT/bench_train.json"
   for r in curve_bf16 curve_fp8_block curve_fp4_qat train64k; do keep $r; done
 elif [ "$WHAT" = more ]; then
   run compile_train ${TA:-300} "$D train --recipe $R --steps 12 --compile $E --out $SHIM/run_compile_train --no-final-checkpoint --json" &
@@ -71,8 +76,6 @@ elif [ "$WHAT" = more ]; then
   wait
   for r in compile_train packed_train; do keep $r; done
 elif [ "$WHAT" = speed ]; then
-  T0=$(date +%s); DL=${DEADLINE:-540}
-  left() { local l=$(( DL - ($(date +%s) - T0) - 10 )); [ "$1" -lt "$l" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo $l; }
   T16=$(( T4 * 4 ))
   for st in ${SPEED:-train20 bench_ours bench_hf_eager bench_ours_compile bench_hf_compile}; do case $st in
     train20) run train20 $(left 120) "$D train --recipe $R --steps 20 $E --out $SHIM/run_train20 --no-final-checkpoint --json"
@@ -81,6 +84,7 @@ elif [ "$WHAT" = speed ]; then
     bench_*) run $st $(left 240) "$BT $SM --tokens $T4 --batch 2 --impls ${st#bench_} --profile --append --out $OUT/bench_train.json" ;;
   esac; done
 fi
+done
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used --format=csv >> "$OUT/env.txt"
 rm -rf "$SHIM"
 cat "$OUT/summary.txt"

@@ -197,3 +197,21 @@ def test_table_width_error_is_one_clear_line():
         apply_rope(x, torch.arange(4), rope_inv_freq(64, 10000.0), 64)
     with pytest.raises(RopeError, match="type must be 'yarn'"):
         rope_inv_freq(64, 10000.0, {"type": "linear", "factor": 2.0})
+
+
+def test_rotary_table_moves_with_the_module_not_its_dtype():
+    """RotaryTable.inv_freq follows the module's device (so a step copies nothing host->device: on the H200 that
+    copy synchronised 29 times a proxy step) and never its dtype; from meta, to_empty rebuilds the exact table."""
+    import torch
+    from dsv4.model.config import get_config
+    from dsv4.model.rope import RotaryTable, inv_freq_for
+    cfg = get_config("debug")
+    for table in ("main", "compress"):
+        want = inv_freq_for(cfg, table)
+        t = RotaryTable(cfg, table).to(torch.bfloat16)
+        assert t.inv_freq.dtype == torch.float32 and torch.equal(t.inv_freq, want)
+        t = t.to("meta")
+        assert t.inv_freq.device.type == "meta"
+        t = t.to_empty(device="cpu")
+        assert t.inv_freq.device.type == "cpu" and torch.equal(t.inv_freq, want)
+        assert "inv_freq" not in t.state_dict()
