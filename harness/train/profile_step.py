@@ -73,7 +73,10 @@ def _top(groups: dict, total_us: float, n: int) -> list[dict]:
             for k, (us, c) in rows]
 
 
-def summarize(prof, host_s: float, top_kernels: int = 15, top_ops: int = 10) -> dict:
+TOP_KERNELS, TOP_OPS = 25, 15           # rows kept in a summary
+
+
+def summarize(prof, host_s: float, top_kernels: int = TOP_KERNELS, top_ops: int = TOP_OPS) -> dict:
     """The compact summary of one profiled step (see the module docstring); no trace is kept."""
     from torch.autograd import DeviceType
     evs = prof.events()
@@ -116,11 +119,12 @@ def sync_sites(step, device, top: int = 20) -> dict | None:
     """{"per_step", "sites": [{"where", "count"}]}: the synchronising CUDA calls of one call of `step`
     (torch.cuda.set_sync_debug_mode("warn"); a warning each), by the innermost stack frame under this repo's
     model/ kernels/ harness/ (else the innermost frame). None off CUDA."""
+    import collections
     import traceback
     import warnings
     if torch.device(device).type != "cuda":
         return None
-    sites: dict[str, int] = {}
+    sites: collections.Counter = collections.Counter()
     mine = ("/model/", "/kernels/", "/harness/")
 
     def show(message, category, filename, lineno, file=None, line=None):
@@ -131,7 +135,7 @@ def sync_sites(step, device, top: int = 20) -> dict | None:
         f = fr[-1] if fr else None
         where = f"{f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" if f \
             else f"{filename}:{lineno}"
-        sites[where] = sites.get(where, 0) + 1
+        sites[where] += 1
 
     torch.cuda.synchronize()
     old_mode, old_show = torch.cuda.get_sync_debug_mode(), warnings.showwarning
@@ -145,12 +149,11 @@ def sync_sites(step, device, top: int = 20) -> dict | None:
             torch.cuda.set_sync_debug_mode(old_mode)
             warnings.showwarning = old_show
     torch.cuda.synchronize()
-    ranked = sorted(sites.items(), key=lambda kv: -kv[1])
     return {"per_step": sum(sites.values()),
-            "sites": [{"where": w, "count": c} for w, c in ranked[:top]]}
+            "sites": [{"where": w, "count": c} for w, c in sites.most_common(top)]}
 
 
-def profile_summary(step, device, top_kernels: int = 25, top_ops: int = 15) -> dict:
+def profile_summary(step, device, top_kernels: int = TOP_KERNELS, top_ops: int = TOP_OPS) -> dict:
     prof, host_s = profile_once(step, device)
     out = summarize(prof, host_s, top_kernels, top_ops)
     out["host_syncs"] = sync_sites(step, device)
