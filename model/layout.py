@@ -111,7 +111,7 @@ def from_packed_seq_params(psp) -> tuple[torch.Tensor, torch.Tensor | None]:
     return cu, cup
 
 
-def roll_packed(x: torch.Tensor, seg: torch.Tensor, fill=0) -> tuple[torch.Tensor, torch.Tensor]:
+def roll_packed(x: torch.Tensor, seg: torch.Tensor, fill: float = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """y[t] = x[t+1] if tokens t and t+1 belong to the same document, else `fill`; x [T, ...] (token-major).
 
     Returns (y [T, ...], valid [T] bool). Padding tokens (seg -1) are never valid.
@@ -121,8 +121,6 @@ def roll_packed(x: torch.Tensor, seg: torch.Tensor, fill=0) -> tuple[torch.Tenso
     valid = (seg >= 0) & (nxt_seg == seg)
     nxt = torch.cat([x[1:], x[:1]], dim=0)                                     # x[t+1] (wraps; masked below)
     vshape = (T,) + (1,) * (x.dim() - 1)
-    if isinstance(fill, torch.Tensor):
-        fill = fill.to(x.dtype).item() if fill.device.type == "cpu" else fill.to(x.dtype)
     return torch.where(valid.view(vshape), nxt, fill), valid             # a Python fill: no host->device copy
 
 

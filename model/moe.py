@@ -30,6 +30,7 @@ from torch import nn
 
 from dsv4.kernels import KernelUnavailable
 from dsv4.kernels.swiglu import clamped_swiglu
+from dsv4.model.precision import autocast_dtype
 from dsv4.model.recompute import recomputing
 
 # How the routed experts' GEMMs run (`Experts.gemm`, set for a whole model by `DSv4Model.set_expert_gemm`):
@@ -50,22 +51,13 @@ EXPERT_GEMMS = ("auto", "loop", "grouped", "dense")
 
 def grouped_gemm_missing(x: torch.Tensor, w: torch.Tensor, x_dtype: torch.dtype | None = None) -> str | None:
     """What "grouped" needs and `x` / `w` lack (None: it can run). x_dtype: the dtype the GEMMs see x in
-    (`autocast_dtype(x)` under autocast; default x.dtype)."""
+    (`model.precision.autocast_dtype(x)` under autocast; default x.dtype)."""
     xd = x.dtype if x_dtype is None else x_dtype
     if not hasattr(torch, "_grouped_mm"):
         return f"torch._grouped_mm (torch {torch.__version__} has none)"
     if xd != torch.bfloat16 or w.dtype != torch.bfloat16:
         return f"bf16 activations and expert weights (got {xd} / {w.dtype})"
     return None
-
-
-def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The dtype autocast casts x to for a GEMM (None: autocast is off for x's device, or x is not a floating
-    type autocast casts: fp64 stays fp64)."""
-    dev = x.device.type
-    if not torch.is_autocast_enabled(dev) or not x.is_floating_point() or x.dtype == torch.float64:
-        return None
-    return torch.get_autocast_dtype(dev)
 
 
 def expert_gemm(mode: str, x: torch.Tensor, w: torch.Tensor, x_dtype: torch.dtype | None = None) -> str:

@@ -20,6 +20,15 @@ from dsv4.model.norm import RMSNorm
 FP32_NAME = re.compile(r"(^|\.)(hc_(attn|ffn|head)_(fn|base|scale)|attn_sink|ape|gate\.bias)$")
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast computes a GEMM of x in (None: autocast is off for x's device, or x is not a floating
+    type autocast casts: fp64 stays fp64)."""
+    dev = x.device.type
+    if not torch.is_autocast_enabled(dev) or not x.is_floating_point() or x.dtype == torch.float64:
+        return None
+    return torch.get_autocast_dtype(dev)
+
+
 def autocast_operands(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The operands of a custom autograd Function cast to the autocast dtype when autocast is on for their
     device -- what the nn.Linear / matmul it stands for computes in there (`dsv4 train --dtype bf16`: FP32

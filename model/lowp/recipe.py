@@ -106,13 +106,17 @@ class PrecisionReport:
 
 # ------------------------------------------------------------------ MXFP4 QAT of the routed experts
 
-def fp4_to_fp8(w: torch.Tensor, rule: str = "ocp") -> tuple[torch.Tensor, QTensor, int]:
-    """FP32 master -> MXFP4 (e2m1, 1x32, e8m0) -> e4m3 in 128x128 ue8m0 blocks over the last two dims.
-    Returns (the FP4 value, the FP8 QTensor, number of elements the FP8 step changed: 0 = lossless)."""
+def _fp4_then_fp8(w: torch.Tensor, rule: str) -> tuple[torch.Tensor, QTensor]:
+    """FP32 master -> MXFP4 (e2m1, 1x32, e8m0) value -> e4m3 QTensor in 128x128 ue8m0 blocks (last two dims)."""
     fp4 = quantize(w, "e2m1", (1, 32), rule).dequantize()
-    fp8 = quantize(fp4, "e4m3", (128, 128), "ue8m0")
-    lost = int((fp8.dequantize() != fp4).sum())
-    return fp4, fp8, lost
+    return fp4, quantize(fp4, "e4m3", (128, 128), "ue8m0")
+
+
+def fp4_to_fp8(w: torch.Tensor, rule: str = "ocp") -> tuple[torch.Tensor, QTensor, int]:
+    """`_fp4_then_fp8` and the number of elements the FP8 step changed (0 = lossless): a host read, so the
+    training forward (`_MXFP4STE`) does not count."""
+    fp4, fp8 = _fp4_then_fp8(w, rule)
+    return fp4, fp8, int((fp8.dequantize() != fp4).sum())
 
 
 class MXFP4Weight(nn.Module):
@@ -130,7 +134,7 @@ class _MXFP4STE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w, rule, via_fp8, out_dtype):
         if via_fp8:
-            _, q8, _ = fp4_to_fp8(w, rule)
+            _, q8 = _fp4_then_fp8(w, rule)                 # no lossless count here: one host sync per weight
             return q8.dequantize(out_dtype)
         return quantize(w, "e2m1", (1, 32), rule).dequantize(out_dtype)
 

@@ -222,9 +222,10 @@ def test_experts_under_autocast_cast_once_and_grouped_runs():
     x = torch.randn(T, cfg.hidden_size, requires_grad=True)            # fp32 stream
     idx = torch.stack([torch.randperm(E - 1)[:K] for _ in range(T)])   # expert E-1 gets no token
     w = torch.rand(T, K)
-    assert moe.autocast_dtype(x) is None
+    from dsv4.model.precision import autocast_dtype
+    assert autocast_dtype(x) is None
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert moe.autocast_dtype(x) == torch.bfloat16 and moe.autocast_dtype(x.double()) is None
+        assert autocast_dtype(x) == torch.bfloat16 and autocast_dtype(x.double()) is None
         w13c = ex.w13.to(torch.bfloat16)
         assert moe.grouped_gemm_missing(x, w13c, torch.bfloat16) is None   # "auto"'s rule: grouped iff this + CUDA
         assert moe.grouped_gemm_missing(x, ex.w13, torch.bfloat16) is not None

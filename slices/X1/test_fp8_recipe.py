@@ -181,6 +181,27 @@ def test_fp4_to_fp8_is_lossless_for_weights_and_detects_loss():
     assert torch.equal(e.w13, Q.mx_quantize(e.parametrizations.w13.original.detach()).dequantize())
 
 
+def test_mxfp4_fp8_weight_reads_nothing_on_the_host():
+    """The training forward of an mxfp4_fp8 expert weight (the fp4_qat recipe) does not count the FP8 step's
+    losses: that count is a host read (a device sync per weight per step on the GPU; 10 a proxy step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                Reads.n += 1
+            return func(*args, **(kwargs or {}))
+    torch.manual_seed(0)
+    e = Experts(build_model("debug").cfg)
+    apply_precision_recipe(nn.ModuleDict({"experts": e}), PrecisionRecipe("q", experts="mxfp4_fp8"))
+    with Reads():
+        w13 = e.w13
+    assert Reads.n == 0
+    assert torch.equal(w13, fp4_to_fp8(e.parametrizations.w13.original.detach())[1].dequantize())
+
+
 def test_expert_activation_hook_quantises_x_with_ste():
     torch.manual_seed(0)
     cfg = build_model("debug").cfg
