@@ -48,7 +48,8 @@ def _provenance():
             "triton": triton.__version__, "cuda": torch.version.cuda,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu, --smoke)",
             "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "timing": "triton.testing.do_bench median, L2 flushed (dense SDPA >= 32K: events, 1 warm-up + 2)"}
+            "timing": "triton.testing.do_bench median, L2 flushed (dense SDPA >= 32K: events, 1 warm-up + 2); "
+                      "compressor / mHC also graph_*: CUDA-graph replay medians, L2 flushed (device time only)"}
 
 
 def _ms(fn, rep=60):
@@ -261,6 +262,60 @@ def _fwd_bwd_on(dev, f, inputs, rep=60):
     return _fwd_bwd(f, inputs, rep, _timer(dev))
 
 
+def _graph_ms(fn, rep=30):
+    """Median ms of `fn` replayed as one captured CUDA graph, L2 flushed before each replay: the device time of
+    its kernels with no host launch cost (the eager `_ms` of a small op measures the host: its launches, custom-op
+    dispatch and autotuner lookups, when they take longer than the kernels)."""
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):                          # warm-up on the capture stream (autograd's streams)
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    cache = torch.empty(256 * 2 ** 20 // 4, dtype=torch.int32, device="cuda")
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
+    for a, b in ev:
+        cache.zero_()
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    ts = sorted(a.elapsed_time(b) for a, b in ev)
+    del g
+    return float(ts[len(ts) // 2])
+
+
+def _kernel_split(fn, top=8):
+    """{kernel name: [us, launches]} of one eager call of `fn` under torch.profiler (device time by kernel)."""
+    from dsv4.harness.train.profile_step import profile_once, summarize
+    prof, _ = profile_once(fn, "cuda")
+    return [{k: r[k] for k in ("name", "ms", "count")} for r in summarize(prof, 0.0, top, 1)["top_kernels"]]
+
+
+def _device_rows(dev, f, inputs):
+    """Device-only timing of a small op (CUDA only; {} elsewhere): forward and forward+backward as CUDA graphs
+    (bwd = the difference), and the kernels of one forward+backward with their device times."""
+    if dev != "cuda":
+        return {}
+    import torch
+    out = f()
+    outs = out if isinstance(out, tuple) else (out,)
+    douts = [torch.randn_like(o) for o in outs]
+    del out, outs
+    fb = lambda: torch.autograd.grad(f(), inputs, douts[0] if len(douts) == 1 else douts)
+    try:
+        gf = _graph_ms(lambda: f())
+        gfb = _graph_ms(fb)
+        return {"graph_fwd_ms": gf, "graph_bwd_ms": max(gfb - gf, 0.0), "graph_fwd_bwd_ms": gfb,
+                "kernels_fwd_bwd": _kernel_split(fb)}
+    except Exception as e:  # noqa: BLE001 - a capture failure must not lose the eager row
+        return {"graph_error": repr(e)[:300]}
+
+
 def _best(kernel):
     cfg = getattr(kernel, "best_config", None)
     return None if cfg is None else str(cfg)
@@ -299,6 +354,9 @@ def _bench_compressor(tokens, dev, log, smoke=False):
                     row[backend] = {"fwd_ms": f, "bwd_ms": b, "fwd_tbps": by_f / f * 1e-9, "bwd_tbps": by_b / b * 1e-9}
                     if backend == "triton":
                         row[backend].update(fwd_config=_best(tri._pool_fwd), bwd_config=_best(tri._pool_bwd))
+                        row[backend].update(_device_tbps(_device_rows(
+                            dev, lambda: compress_pool(kv, g, ape, m, ov, seg, pos, backend=backend)[0],
+                            [kv, g, ape]), by_f, by_b))
                 except Exception as e:  # noqa: BLE001
                     row[backend] = _err(repr(e))
             if "fwd_ms" in row["triton"] and "fwd_ms" in row["naive"]:
@@ -317,6 +375,13 @@ MHC_BYTES = ("X = N*n*d*2 (the bf16 streams), U = N*d*2: hc_pre fwd 2X + U (x re
              "by the aggregate, u written); hc_pre bwd 3X + 2U (x and du read by dpre, x and du read and dx written "
              "by dx/dfn); hc_post fwd 2X + U (x, out read, y written); hc_post bwd 3X + 2U (dy, x, out read, dx, "
              "dout written); the small per-token tensors (post, comb, mix, partials) are not counted")
+
+
+def _device_tbps(dv, by_f, by_b):
+    if "graph_fwd_ms" in dv:
+        dv.update(graph_fwd_tbps=by_f / dv["graph_fwd_ms"] * 1e-9,
+                  graph_bwd_tbps=by_b / max(dv["graph_bwd_ms"], 1e-6) * 1e-9)
+    return dv
 
 
 def _bench_mhc(tokens, dev, log, smoke=False):
@@ -349,6 +414,9 @@ def _bench_mhc(tokens, dev, log, smoke=False):
                     row["hc_pre"].update(proj_only_ms=p, proj_only_tbps=X / p * 1e-9,
                                          configs={k: _best(getattr(tri, k)) for k in
                                                   ("_proj", "_pre_agg", "_pre_bwd_dpre", "_pre_bwd_dx")})
+                    row["hc_pre"].update(_device_tbps(_device_rows(
+                        dev, lambda: hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6, backend=backend),
+                        [x, fn, base, scale]), 2 * X + U, 3 * X + 2 * U))
             except Exception as e:  # noqa: BLE001
                 row["hc_pre"] = _err(repr(e))
             try:
@@ -357,6 +425,9 @@ def _bench_mhc(tokens, dev, log, smoke=False):
                                   "bwd_tbps": (3 * X + 2 * U) / b * 1e-9}
                 if backend == "triton":
                     row["hc_post"]["configs"] = {k: _best(getattr(tri, k)) for k in ("_post_fwd", "_post_bwd")}
+                    row["hc_post"].update(_device_tbps(_device_rows(
+                        dev, lambda: hc_post(x, out, post, comb, backend=backend), [x, out, post, comb]),
+                        2 * X + U, 3 * X + 2 * U))
             except Exception as e:  # noqa: BLE001
                 row["hc_post"] = _err(repr(e))
             log(row)

@@ -57,14 +57,20 @@ except Exception as e:  # noqa: BLE001
 for r in ops.get("compressor", {}).get("rows", []):
     t, n = r.get("triton", {}), r.get("naive", {})
     print(f"compressor {r['case']:12s} S={r['S']:6d} triton fwd {t.get('fwd_tbps', float('nan')):.2f} TB/s "
-          f"bwd {t.get('bwd_tbps', float('nan')):.2f} TB/s | naive fwd {n.get('fwd_ms', float('nan')):.3f} ms "
-          f"bwd {n.get('bwd_ms', float('nan')):.3f} ms {t.get('error', '')}")
+          f"bwd {t.get('bwd_tbps', float('nan')):.2f} TB/s graph fwd {t.get('graph_fwd_tbps', float('nan')):.2f} "
+          f"bwd {t.get('graph_bwd_tbps', float('nan')):.2f} | naive fwd {n.get('fwd_ms', float('nan')):.3f} ms "
+          f"bwd {n.get('bwd_ms', float('nan')):.3f} ms {t.get('error', '')}{t.get('graph_error', '')}")
+    for k in t.get("kernels_fwd_bwd", []):
+        print(f"    {k['name'][:60]:60s} {k['ms']:.3f} ms x{k['count']}")
 for r in ops.get("mhc", {}).get("rows", []):
     for op in ("hc_pre", "hc_post"):
         v = r.get(op, {})
         print(f"mhc {r['backend']:6s} N={r['N']:6d} {op}: fwd {v.get('fwd_tbps', float('nan')):.2f} TB/s "
               f"({v.get('fwd_ms', float('nan')):.3f} ms) bwd {v.get('bwd_tbps', float('nan')):.2f} TB/s "
-              f"({v.get('bwd_ms', float('nan')):.3f} ms) {v.get('error', '')}")
+              f"({v.get('bwd_ms', float('nan')):.3f} ms) graph fwd {v.get('graph_fwd_tbps', float('nan')):.2f} "
+              f"bwd {v.get('graph_bwd_tbps', float('nan')):.2f} {v.get('error', '')}{v.get('graph_error', '')}")
+        for k in v.get("kernels_fwd_bwd", []):
+            print(f"    {k['name'][:60]:60s} {k['ms']:.3f} ms x{k['count']}")
 PY
   grep -i -E "error|Traceback" "$OUT/bench.log" | head -5
 fi
