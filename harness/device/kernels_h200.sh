@@ -7,7 +7,7 @@
 #      the autotuner picked), one process per op.
 # Everything lands under $OUT: env.txt, bench_smoke.{json,log}, pytest_<file>.log, bench_kernels.json (+ D3/ and
 # P2/ bench_kernels.json for goldens/h200/), bench.log, summary.txt. Knobs: SKIP_TESTS=1, SKIP_BENCH=1, TOKENS,
-# TEST_TIMEOUT, BENCH_TIMEOUT; DSV4_GIT_SHA names the commit when the copy has no .git.
+# TEST_TIMEOUT, BENCH_TIMEOUT, TESTS (test files), ONLY (bench ops); DSV4_GIT_SHA names the commit when the copy has no .git.
 # Example: run(command="DSV4_GIT_SHA=<sha> bash harness/device/kernels_h200.sh")
 set -u
 export PYTHONUNBUFFERED=1
@@ -35,7 +35,7 @@ timeout 120 bash -c "$BENCH --smoke --only compressor,mhc --out $OUT/bench_smoke
 note "bench smoke rc=$?"
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  for t in kernels/compressor/test_compressor.py kernels/mhc/test_mhc.py kernels/test_custom_ops.py; do
+  for t in ${TESTS:-kernels/compressor/test_compressor.py kernels/mhc/test_mhc.py kernels/test_custom_ops.py}; do
     log="$OUT/pytest_$(basename "$t" .py).log"
     s=$(date +%s)
     timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider --durations=5 "$t" > "$log" 2>&1
@@ -45,7 +45,7 @@ fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   s=$(date +%s)
-  timeout "${BENCH_TIMEOUT:-420}" bash -c "$BENCH --only compressor,mhc --tokens ${TOKENS:-16384,65536} --isolate \
+  timeout "${BENCH_TIMEOUT:-420}" bash -c "$BENCH --only ${ONLY:-compressor,mhc} --tokens ${TOKENS:-16384,65536} --isolate \
     --out $OUT/bench_kernels.json --out-dir $OUT" > /dev/null 2> "$OUT/bench.log"
   note "bench rc=$? $(( $(date +%s) - s ))s"
   python3 - "$OUT/bench_kernels.json" <<'PY' | tee -a "$OUT/summary.txt"

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels._triton_util import configs, on_cpu, pow2
+from dsv4.kernels._triton_util import configs, interpreted, on_cpu, pow2
 from dsv4.kernels._varlen import entry_ranges, query_ranges
 
 from . import naive
@@ -226,3 +226,36 @@ def indexer_select(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: i
             meta = _meta(seg_q[s0:s0 + chunk], pos_q[s0:s0 + chunk], entry_seg, entry_j)
             outs.append(indexer_topk(_launch_fwd(qI[s0:s0 + chunk], kI, w[s0:s0 + chunk], ratio, meta), k, chunk))
     return torch.cat(outs, 0)
+
+
+# ------------------------------------------------------------------ listed-scores backward: picks -> dense rows
+@triton.jit
+def _pick_scatter(DD, IDX, S, k, N, NI, HP: tl.constexpr, BK: tl.constexpr):
+    """S[c, h, idx[c, s]] = DD[c, s, h] for the valid picks (idx >= 0) of query c, slots of block BK: plain
+    stores (a query's picks are distinct entries, so no address is written twice: deterministic, no atomics)."""
+    c = tl.program_id(0)
+    slots = tl.program_id(1) * BK + tl.arange(0, BK)
+    h = tl.arange(0, HP)
+    sm = slots < k
+    col = tl.load(IDX + c.to(tl.int64) * k + slots, mask=sm, other=-1)
+    ok = (sm & (col >= 0))[:, None] & (h < NI)[None, :]                                  # [BK, HP]
+    v = tl.load(DD + (c.to(tl.int64) * k + slots[:, None]) * NI + h[None, :], mask=ok, other=0.0)
+    tl.store(S + (c.to(tl.int64) * NI + h[None, :]) * N + col[:, None], v.to(S.dtype.element_ty), mask=ok)
+
+
+def scatter_picks(dd: torch.Tensor, idx: torch.Tensor, N: int, dtype: torch.dtype) -> torch.Tensor:
+    """dd [C, k, nI] (the per-pick, per-head gradients), idx [C, k] (-1 = none) -> S [C, nI, N] in `dtype`, zero
+    except S[c, :, idx[c, s]] = dd[c, s, :]: the listed gradients as dense rows over the entries, so that
+    dkI = Σ_c,h S[c, h, :]ᵀ qI[c, h, :] is one GEMM."""
+    C, k, nI = dd.shape
+    if on_cpu(dd) and not interpreted():        # CPU without Triton's interpreter: the same stores by scatter_
+        S = torch.zeros(C, nI, N + 1, dtype=dtype)                                   # column N takes the -1s
+        cols = torch.where(idx >= 0, idx, N)[:, None, :].expand(C, nI, k)
+        return S.scatter_(2, cols, dd.transpose(1, 2).to(dtype))[..., :N]
+    S = torch.zeros(C, nI, N, device=dd.device, dtype=dtype)
+    if C and k and N:
+        BK = 16 if on_cpu(dd) else 128
+        _pick_scatter[(C, triton.cdiv(k, BK))](dd.contiguous(), idx.contiguous(), S, k, N, nI, HP=pow2(nI, lo=1),
+                                               BK=BK)
+    return S
+

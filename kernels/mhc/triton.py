@@ -15,8 +15,8 @@ hc_pre forward, three kernels, 2X + U of HBM traffic:
   3. `_pre_agg`: grid (token blocks, channel blocks): u = Σ_j pre_j X_j (the second read of x, the write of u).
 hc_pre backward, three kernels, 3X + 2U:
   1. `_pre_bwd_dpre`: dpre = Σ_d du·X_j streamed over d (X + U).
-  2. `_pre_bwd_map`: the backward of the small map (sigmoids; the Sinkhorn steps by RECOMPUTATION of the
-     forward up to each step, O(iters²) on [n, n], nothing stored), dh = dmix·r, cx = -r²/(nd)·Σ dmix·mix.
+  2. `_pre_bwd_map`: the backward of the small map (sigmoids; the Sinkhorn steps from their inputs, replayed
+     once and kept in a [2·iters-1, N, n, n] fp32 scratch), dh = dmix·r, cx = -r²/(nd)·Σ dmix·mix.
   3. `_pre_bwd_dx`: grid (channel blocks of BD, NSPLIT token ranges); a program owns the columns of its channel
      block in ALL n streams (du read once for them) and keeps its fn tile [RP, n·BD] in registers while it walks
      its tokens: dx = dh·fn + cx·x + pre ⊗ du (reads x and du, writes dx: 2X + U), and dfnᵀ += xᵀ·dh into a
@@ -224,12 +224,13 @@ def _pre_bwd_dpre(X, DU, DPRE, N, D, NK, NS: tl.constexpr, NP: tl.constexpr, BM:
 
 
 @triton.jit
-def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH, CX, N, K, R, iters, eps,
+def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH, CX, ST, N, K, R, iters, eps,
                  NS: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr):
     """Backward of the small map z = mix·scale + base -> (pre, post, comb) into DZ = dL/dz [N, RP], then
-    DH = d(x·fnᵀ) = dz·scale·r and CX = -r²/K·Σ dmix·mix (the rsqrt's term of dx). The Sinkhorn steps are
-    differentiated by recomputation: for step i (last to first) the forward is replayed from the softmax up to
-    step i, in registers (O(iters²) work on [BM, n, n], nothing stored)."""
+    DH = d(x·fnᵀ) = dz·scale·r and CX = -r²/K·Σ dmix·mix (the rsqrt's term of dx). The Sinkhorn steps: the
+    forward is replayed once from the softmax (the same operations in the same order as `_pre_map`), the input of
+    every step stored in ST [2·iters-1, N, NP, NP] fp32 (scratch), then the steps are differentiated last to
+    first from those inputs: O(iters) work per token (was an O(iters²) replay: 741 normalisations at 20 iters)."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     mmask = offs_m < N
     j = tl.arange(0, NP)
@@ -259,13 +260,18 @@ def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH, CX, N, K, R
     c0 = tl.where(valid[None, :, :], p + eps, 0.0)
     g = tl.load(DCOMB + offs_m[:, None, None] * (NS * NS) + j[None, :, None] * NS + j[None, None, :], mask=m3, other=0.0)
     nsteps = 2 * iters - 1
+    st_off = (offs_m[:, None, None].to(tl.int64) * NP + j[None, :, None]) * NP + j[None, None, :]   # [BM, NP, NP]
+    st_mask = mmask[:, None, None] & (j[None, :, None] >= 0) & (j[None, None, :] >= 0)
+    x = c0
+    for st in range(0, nsteps):                                 # replay the forward once, keep each step's input
+        tl.store(ST + st * N * NP * NP + st_off, x, mask=st_mask)
+        if st % 2 == 0:
+            x = x / (tl.sum(x, 1)[:, None, :] + eps)
+        else:
+            x = x / (tl.sum(x, 2)[:, :, None] + eps)
+    tl.debug_barrier()                                          # ST is read back below
     for i in range(nsteps - 1, -1, -1):
-        x = c0
-        for st in range(0, i):                                  # replay the forward up to step i
-            if st % 2 == 0:
-                x = x / (tl.sum(x, 1)[:, None, :] + eps)
-            else:
-                x = x / (tl.sum(x, 2)[:, :, None] + eps)
+        x = tl.load(ST + i * N * NP * NP + st_off, mask=st_mask, other=0.0)
         if i % 2 == 0:                                          # y = x / (colsum + eps)
             sc_col = tl.sum(x, 1)[:, None, :] + eps
             g = g / sc_col - tl.sum(g * x, 1)[:, None, :] / (sc_col * sc_col)
@@ -393,8 +399,10 @@ class _HcPre(torch.autograd.Function):
         _pre_bwd_dpre[lambda meta: (triton.cdiv(N, meta["BM"]),)](x, du, dpre, N, d, N.bit_length(), NS=n, NP=NP)
         dz, dh, cx = torch.empty(N, RP, **f32), torch.empty(N, RP, **f32), torch.empty(N, **f32)
         BM = 16 if on_cpu(x) else 32
-        _pre_bwd_map[(triton.cdiv(N, BM),)](mix, rinv, base32, scale32, dpre, dpost, dcomb, dz, dh, cx, N, K, R,
-                                            iters, eps, NS=n, NP=NP, RP=RP, BM=BM, num_warps=4)
+        steps = torch.empty(max(2 * iters - 1, 1), N, NP, NP, **f32)         # Sinkhorn step inputs (scratch)
+        _pre_bwd_map[(triton.cdiv(N, BM),)](mix, rinv, base32, scale32, dpre, dpost, dcomb, dz, dh, cx, steps, N, K,
+                                            R, iters, eps, NS=n, NP=NP, RP=RP, BM=BM, num_warps=4)
+        del steps
         dx = torch.empty_like(x)
         part = torch.empty(_DX_SPLIT_MAX, K, RP, **f32)
         _pre_bwd_dx[lambda meta: (triton.cdiv(d, meta["BD"]), meta["NSPLIT"])](
