@@ -37,13 +37,8 @@ OPS = ["sparse_attn", "indexer", "compressor", "mhc", "swiglu"]
 def _provenance():
     import torch
     import triton
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
-    except Exception:   # noqa: BLE001 - no git on the device copy
-        sha = ""
-    if len(sha) != 40 or any(ch not in "0123456789abcdef" for ch in sha):
-        sha = os.environ.get("DSV4_GIT_SHA", "unknown")
+    from dsv4.harness.goldens import git_sha
+    sha = git_sha()[0]            # DSV4_GIT_SHA first: the device copy's .git can be stale
     return {"git_sha": sha, "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu, --smoke)",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -145,11 +144,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     rep = {"check": "X1 fp8 gemm: emulation vs torch._scaled_mm", "torch": torch.__version__,
            "cuda": torch.version.cuda, "python": platform.python_version()}
-    try:
-        rep["git_sha"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                        cwd=Path(__file__).parent).stdout.strip() or None
-    except OSError:
-        rep["git_sha"] = None
+    from dsv4.harness.goldens import git_sha
+    rep["git_sha"] = git_sha()[0]             # DSV4_GIT_SHA first: the device copy's .git can be stale
     if not torch.cuda.is_available():
         rep["status"] = "cannot judge: no CUDA device"
         print(json.dumps(rep, indent=1))

@@ -49,6 +49,15 @@ def _losses(model, V, B, S, steps, device, lr=1e-3):
     return out
 
 
+def _provenance(a) -> dict:
+    import triton
+    from dsv4.harness.goldens import git_sha
+    sha, dirty = git_sha()
+    return {"git_sha": sha, "git_dirty": dirty, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": "python -m dsv4.harness.train.lowp_bench " + " ".join(sys.argv[1:])}
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -114,7 +123,8 @@ def main(argv=None) -> int:
     cfg = get_config(a.config)
     doc = {"bench": "x1 lowp", "config": a.config, "smoke": a.smoke, "backend": a.backend,
            "torch": torch.__version__,
-           "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "speed": [], "loss": {}}
+           "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "speed": [], "loss": {},
+           "provenance": _provenance(a)}
     qR = 64 if a.smoke else max(int(t) for t in a.tokens.split(","))
     qbe = ["naive"] + (["triton"] if a.backend == "triton" else [])
     doc["quantizer"] = bench_quantizer(qR, cfg.hidden_size, dev, qbe, reps=2 if a.smoke else 20) + \
