@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4.kernels.indexer import indexer_scores_listed, indexer_topk
-from dsv4.kernels.indexer.fp4 import indexer_scores_qk
+from dsv4.kernels.indexer import indexer_scores, indexer_scores_listed, indexer_topk
+from dsv4.kernels.indexer.fp4 import qk_fake_quant, quantised_listed_scores, quantised_scores
 from dsv4.kernels.sparse_attn import entry_probs
 from dsv4.kernels.sparse_attn.naive import window_keys
 
@@ -48,30 +48,32 @@ class Indexer(nn.Module):
         detached by the caller), ctx = (seg, pos, rope_pos, q_offset) of x's rows, layout (gathers the other
         ranks' entries) -> (scores I [Tq,N] fp32 (bf16 at qk_precision fp8 / fp4), selected idx [Tq,min(k,N)]
         long (-1 = none), entry_seg [N], entry_j [N]; with return_feats also the features of `listed_scores`).
-        dense_grad=False: at qk_precision bf16 the [Tq,N] scores only pick the top-k (no graph through them; the
-        sparse-mode loss re-forms the k listed scores); the quantised precisions keep the dense graph (the loss
-        gathers from the scores that picked)."""
+        dense_grad=False: the [Tq,N] scores only pick the top-k (no graph through them); the sparse-mode loss
+        re-forms the k listed scores from the features (at fp8 / fp4 the rotated, fake-quantised ones)."""
         seg, pos, rope_pos, q0 = ctx
         Tq = cq.shape[0]
         kI, eseg, ej = layout.gather_entries(*self.compressor(x, seg, pos, rope_pos, q0, backend=backend))
         q = self.wq_b(cq).view(Tq, self.n_heads, self.head_dim)                      # [Tq, n_I, c_I]
         q = self.rope(q, rope_pos[q0:])
         w = self.weights_proj(x[q0:])                                               # [Tq, n_I]
-        keep = (dense_grad or self.qk_precision != "bf16") and torch.is_grad_enabled()
-        with torch.set_grad_enabled(keep):
-            scores = indexer_scores_qk(q, kI, w, self.ratio, seg[q0:], pos[q0:], eseg, ej, self.qk_precision,
-                                       backend)                                     # [Tq, N] fp32 | bf16
-        idx = indexer_topk(scores, self.topk, backend=backend)                      # [Tq, k]
-        feats = (q, kI, w, scores if self.qk_precision != "bf16" else None)
+        quant = self.qk_precision != "bf16"
+        if quant:                                   # rotated + fake-quantised features (straight through)
+            q, kI = qk_fake_quant(q, self.qk_precision), qk_fake_quant(kI, self.qk_precision)
+        with torch.set_grad_enabled(dense_grad and torch.is_grad_enabled()):
+            scores = (quantised_scores(q, kI, w, self.ratio, seg[q0:], pos[q0:], eseg, ej, backend) if quant else
+                      indexer_scores(q, kI, w, self.ratio, seg[q0:], pos[q0:], eseg, ej, backend=backend))
+        idx = indexer_topk(scores, self.topk, backend=backend)                      # [Tq, N] fp32 | bf16 -> [Tq, k]
+        feats = (q, kI, w, quant)
         return (scores, idx, eseg, ej, feats) if return_feats else (scores, idx, eseg, ej)
 
     @staticmethod
     def listed_scores(feats, idx: torch.Tensor, backend: str = "naive") -> torch.Tensor:
         """The scores I at the listed entries idx [Tq,k] -> [Tq,k] fp32 (-inf at -1), differentiable: re-formed
-        from (qI, kI, w) (kernel op `indexer_scores_listed`), or gathered from the quantised dense scores."""
-        q, kI, w, dense = feats
-        if dense is not None:
-            return dense.float().gather(-1, torch.where(idx >= 0, idx, 0)).masked_fill(idx < 0, float("-inf"))
+        from (qI, kI, w) (kernel op `indexer_scores_listed`); at qk_precision fp8 / fp4 from the quantised
+        features, rounded to BF16 like the dense scores."""
+        q, kI, w, quant = feats
+        if quant:
+            return quantised_listed_scores(q, kI, w, idx, backend=backend)
         return indexer_scores_listed(q, kI, w, idx, backend=backend)
 
 

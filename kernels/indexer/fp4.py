@@ -29,7 +29,7 @@ import functools
 
 import torch
 
-from dsv4.kernels.indexer import indexer_scores, indexer_topk
+from dsv4.kernels.indexer import indexer_scores, indexer_scores_listed, indexer_topk
 from dsv4.kernels.quant.naive import quantize, ste_fake_quantize
 
 QK_PRECISIONS = ("bf16", "fp8", "fp4")
@@ -99,8 +99,23 @@ def indexer_scores_qk(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio
     if precision == "bf16":
         return indexer_scores(qI, kI, w, ratio, seg_q, pos_q, entry_seg, entry_j, backend=backend)
     qq, kq = qk_fake_quant(qI, precision), qk_fake_quant(kI, precision)
-    I = indexer_scores(qq, kq, w.float(), ratio, seg_q, pos_q, entry_seg, entry_j, backend=backend)
-    return I.to(torch.bfloat16)
+    return quantised_scores(qq, kq, w, ratio, seg_q, pos_q, entry_seg, entry_j, backend)
+
+
+def quantised_scores(qq: torch.Tensor, kq: torch.Tensor, w: torch.Tensor, ratio: int, seg_q: torch.Tensor,
+                     pos_q: torch.Tensor, entry_seg: torch.Tensor, entry_j: torch.Tensor,
+                     backend: str = "naive") -> torch.Tensor:
+    """The BF16 index scores [Tq, N] of already rotated and fake-quantised qq [Tq,nI,cI], kq [N,cI] (fp32
+    accumulation, then rounded to BF16)."""
+    return indexer_scores(qq, kq, w.float(), ratio, seg_q, pos_q, entry_seg, entry_j, backend=backend).to(torch.bfloat16)
+
+
+def quantised_listed_scores(qq: torch.Tensor, kq: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
+                            backend: str = "naive") -> torch.Tensor:
+    """`quantised_scores` at the listed entries idx [Tq,k] only -> [Tq,k] (BF16 values in fp32, -inf at -1):
+    the sparse-mode loss's scores, re-formed from the quantised features (straight-through gradients), so no
+    dense [Tq, N] graph is kept."""
+    return indexer_scores_listed(qq, kq, w.float(), idx, backend=backend).to(torch.bfloat16).float()
 
 
 def topk_recall(I_test: torch.Tensor, I_ref: torch.Tensor, k: int, min_visible: int = 1) -> float:

@@ -269,3 +269,23 @@ def test_gpu_check_script_runs_its_cpu_parts():
     lin = C.check_linear(torch.device("cpu"), 128, 256, 128)
     assert lin["blockwise"]["y"]["max_abs"] == 0 and lin["tensor"]["dw"]["max_abs"] == 0
     assert C.main(["--no-timing"]) in (0, 2)
+
+
+def test_fp4_indexer_in_sparse_mode_keeps_no_dense_score_graph_and_trains_its_weights():
+    """fp4_qat on the debug model, one training forward in sparse mode: every FP4 indexer's [Tq, N] scores are
+    formed without a graph (they only pick the top-k), and the indexer loss still reaches the indexer's weights
+    through the listed scores re-formed from the quantised features (model/indexer.py)."""
+    torch.manual_seed(0)
+    m = build_model("debug")
+    assert m.cfg.indexer_loss_mode == "sparse"
+    rep = apply_precision_recipe(m, get_recipe("fp4_qat"))
+    seen = []
+    for p, mod in m.named_modules():
+        if p in rep.indexers:
+            mod.register_forward_hook(lambda mod, args, out: seen.append((mod.qk_precision, out[0].requires_grad)))
+    m.train()
+    ids = torch.randint(0, m.cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    m(ids, ids).loss.backward()             # the indexer sees detached inputs: only its KL loss reaches it
+    assert seen and all(p == "fp4" and not g for p, g in seen), seen
+    grads = [q.grad for p, mod in m.named_modules() if p in rep.indexers for q in (mod.wq_b.weight, mod.weights_proj.weight)]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
