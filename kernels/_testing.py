@@ -41,3 +41,24 @@ def packed_meta(lens, pads=None, device="cpu"):
         seg += [i] * L + [-1] * (pads[i] if pads else 0)
         pos += list(range(L)) + [0] * (pads[i] if pads else 0)
     return torch.tensor(seg, device=device), torch.tensor(pos, device=device)
+
+
+def dispatched_ops(fn) -> dict[str, int]:
+    """{aten op: count} that fn() dispatches, allocations and views left out: a proxy for the kernel launches of
+    an eager GPU step (a `dsv4::` custom op counts once: its Triton launches are not aten ops)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    skip = {"empty", "empty_like", "empty_strided", "new_empty", "view", "_unsafe_view", "reshape", "t",
+            "transpose", "as_strided", "detach", "unsqueeze", "squeeze", "expand", "permute", "select", "slice",
+            "alias", "split", "unbind", "lift_fresh", "_local_scalar_dense", "promote_types"}
+    seen: dict[str, int] = {}
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if name not in skip:
+                seen[name] = seen.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        fn()
+    return seen

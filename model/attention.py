@@ -152,7 +152,7 @@ class DSv4Attention(nn.Module):
         T = xl.shape[0]
         cq = self.q_norm(self.wq_a(xl))                                         # [T, d_c]
         q = self.wq_b(cq).view(T, H, c)                                         # [T, H, c]
-        q = self.rope(rms_norm(q, None, self.eps), rq)                          # per-head, unweighted
+        q = self.rope(rms_norm(q, None, self.eps, backend), rq)                 # per-head, unweighted
         kv = self.rope(self.kv_norm(self.wkv(x)), rope_pos)                     # [T', c] halo + local keys
 
         if B == 1:

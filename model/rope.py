@@ -18,9 +18,13 @@
 """
 from __future__ import annotations
 
+import math
 
 import torch
 from torch import nn
+
+from dsv4.kernels.rope import rope_rows
+from dsv4.kernels.rope.naive import rotate_pairs
 
 from .config import ConfigError, DSv4Config, yarn_correction_range
 
@@ -84,29 +88,27 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor,
 
 def apply_rope_cos_sin(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
                        inverse: bool = False) -> torch.Tensor:
-    """Rotate the last `rope_dim` dims of x (pairs (2i, 2i+1)); cos/sin [..., r/2] broadcast to x[..., :r/2]."""
+    """Rotate the last `rope_dim` dims of x (pairs (2i, 2i+1)); cos/sin [..., r/2] broadcast to x[..., :r/2]
+    (the reference rotation, kernels/rope/naive.py)."""
+    _check_widths(x, cos, sin, rope_dim)
+    return rotate_pairs(x, cos, sin, inverse)
+
+
+def _check_widths(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int) -> None:
     if cos.shape[-1] * 2 != rope_dim or sin.shape[-1] != cos.shape[-1]:
         raise RopeError(f"rope: cos/sin table covers {2 * cos.shape[-1]} dims but the rotated width is "
                         f"{rope_dim} (partial-rotary misconfiguration, cf. Megatron-Bridge #4271)")
     if rope_dim % 2 or rope_dim > x.shape[-1]:
         raise RopeError(f"rope: rope_dim {rope_dim} must be even and <= head dim {x.shape[-1]}")
-    nope, rope = x[..., : x.shape[-1] - rope_dim], x[..., x.shape[-1] - rope_dim:]
-    dt = torch.promote_types(torch.promote_types(x.dtype, torch.float32), cos.dtype)   # fp32 (fp64 stays)
-    pairs = rope.to(dt).unflatten(-1, (rope_dim // 2, 2))                   # [..., r/2, 2]
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    if inverse:
-        sin = -sin
-    cos, sin = cos.to(dt), sin.to(dt)
-    rot = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)   # [..., r] fp32
-    return torch.cat([nope, rot.to(x.dtype)], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
-               inverse: bool = False, scale: float = 1.0) -> torch.Tensor:
+               inverse: bool = False, scale: float = 1.0, backend: str = "naive") -> torch.Tensor:
     """Rotate the last `rope_dim` dims of x by `positions` (inverse: by -positions).
 
     positions' shape is a prefix of x's shape (e.g. [S] for SBHD x [S,B,H,c] or compressed [T,B,c], or [S,B]);
     the remaining dims are broadcast. `scale` multiplies cos and sin (HF's YaRN attention_factor; 1 = none).
+    The rotation is kernels/rope `rope_rows` on the view x [P, G, c] (P = positions, G = the broadcast rows).
     """
     if tuple(positions.shape) != tuple(x.shape[: positions.dim()]) or positions.dim() >= x.dim():
         raise RopeError(f"rope: positions shape {tuple(positions.shape)} is not a prefix of x's leading dims "
@@ -115,10 +117,11 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     cos, sin = rope_cos_sin(inv_freq, positions, dt)                        # [*pos, r/2]
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale                                 # HF: freqs.cos() * attention_scaling
-    expand = (1,) * (x.dim() - 1 - positions.dim())
-    cos = cos.view(*positions.shape, *expand, cos.shape[-1])
-    sin = sin.view(*positions.shape, *expand, sin.shape[-1])
-    return apply_rope_cos_sin(x, cos, sin, rope_dim, inverse)
+    _check_widths(x, cos, sin, rope_dim)
+    P, G = positions.numel(), math.prod(x.shape[positions.dim():-1])
+    x3 = x.reshape(P, G, x.shape[-1])                                       # [P, G, c]
+    y = rope_rows(x3, cos.reshape(P, cos.shape[-1]), sin.reshape(P, sin.shape[-1]), inverse, backend=backend)
+    return y.view(x.shape)
 
 
 class RotaryTable(nn.Module):
@@ -132,6 +135,7 @@ class RotaryTable(nn.Module):
         self.cfg, self.table, self.rope_dim = cfg, table, cfg.qk_rope_head_dim
         self.inv_freq = inv_freq_for(cfg, table)
         self.scale = rope_attention_factor(cfg, table)
+        self.backend = "naive"                                              # set by DSv4Model.set_kernel_backend
 
     def _apply(self, fn, recurse=True):
         dev = fn(torch.empty(0, device=self.inv_freq.device)).device         # where fn sends tensors (not dtype)
@@ -141,7 +145,7 @@ class RotaryTable(nn.Module):
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        return apply_rope(x, positions, self.inv_freq, self.rope_dim, inverse, self.scale)
+        return apply_rope(x, positions, self.inv_freq, self.rope_dim, inverse, self.scale, self.backend)
 
     def extra_repr(self) -> str:
         return f"table={self.table}, rope_dim={self.rope_dim}" + (f", scale={self.scale}" if self.scale != 1 else "")
