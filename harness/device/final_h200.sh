@@ -10,6 +10,7 @@
 # `train` (one call): side by side on the one GPU (host-bound steps overlap; their losses are compared, their step
 # times are contended and not speed results):
 #   curve_<p>/        `dsv4 train --recipe proxy --steps 300 --precision p`, p = bf16 | fp8_block | fp4_qat (X1, D9)
+#   curve_bf16_cg/    CG=1: `dsv4 train --recipe proxy --steps 100 --precision bf16 --cuda-graphs` (CGN steps)
 #   train64k/         `dsv4 train --recipe long-proxy --curriculum proxy-64k` (2 dense warm-up + 4 sparse steps of 64K
 #                     tokens, recompute; issue 18)
 # then alone: bench_train.json, `dsv4 bench train` ours vs hf_eager vs hf_compile at 4K tokens (B=2).
@@ -18,7 +19,8 @@
 # `speed` (issue 13): each alone, in order (SPEED= a subset), every step cut to what is left of DEADLINE s (540):
 #   train20/          `dsv4 train --recipe proxy --steps 20` (its per-step fwd-bwd time, not contended)
 #   bench_train.json  `dsv4 bench train --profile` rows in separate processes (--append): ours 4K+16K B=2,
-#                     hf_eager 4K+16K, ours_compile 4K, hf_compile 4K
+#                     hf_eager 4K+16K, ours_cudagraph 4K+16K, hf_compile 4K (bench_ours_compile: ours_compile 4K),
+#                     ours_packed 16K (bench_packed), ours 64K + 128K B=1 with recompute (bench_long, no profile)
 # Every run dir keeps golden_values.json, run.json, metrics.jsonl (metrics.jsonl is written per step, so a run cut by
 # its time limit keeps its steps). summary.txt: one line per step with its exit code and seconds. All of $OUT is
 # also packed into results.tgz (a device call returns at most 8 files).
@@ -65,11 +67,13 @@ if [ "$WHAT" = train ]; then
   for p in bf16 fp8_block fp4_qat; do
     run "curve_$p" $(left ${TA:-330}) "$D train --recipe $R --steps $N --precision $p $E --out $SHIM/run_curve_$p --no-final-checkpoint --json" &
   done
+  # CG=1: a 100-step bf16 curve through CUDA graphs (`--cuda-graphs`): the stored 100-step proxy_curve's schedule
+  [ "${CG:-0}" = 1 ] && run curve_bf16_cg $(left ${TA:-330}) "$D train --recipe $R --steps ${CGN:-100} --precision bf16 --cuda-graphs $E --out $SHIM/run_curve_bf16_cg --no-final-checkpoint --json" &
   # the 64K stage (6 steps: fewer than long-proxy's warm-up, so the cosine schedule; its WSD decay starts at 65)
   [ "${LONG:-1}" = 1 ] && run train64k ${TA:-330} "$D train --recipe $RL $E --out $SHIM/run_train64k --no-final-checkpoint --json" &
   wait
   [ "${PEERS:-1}" = 1 ] && run bench_peers $(left ${TB:-150}) "$BT $SM --tokens $T4 --batch 2 --impls ours,hf_eager,hf_compile --append --out $OUT/bench_train.json"
-  for r in curve_bf16 curve_fp8_block curve_fp4_qat train64k; do keep $r; done
+  for r in curve_bf16 curve_fp8_block curve_fp4_qat curve_bf16_cg train64k; do keep $r; done
 elif [ "$WHAT" = more ]; then
   run compile_train ${TA:-300} "$D train --recipe $R --steps 12 --compile $E --out $SHIM/run_compile_train --no-final-checkpoint --json" &
   run packed_train ${TA:-300} "$D train --recipe $R --steps 4 --packing $E --out $SHIM/run_packed_train --no-final-checkpoint --json" &
@@ -77,10 +81,14 @@ elif [ "$WHAT" = more ]; then
   for r in compile_train packed_train; do keep $r; done
 elif [ "$WHAT" = speed ]; then
   T16=$(( T4 * 4 ))
-  for st in ${SPEED:-train20 bench_ours bench_hf_eager bench_ours_compile bench_hf_compile}; do case $st in
+  for st in ${SPEED:-train20 bench_ours bench_hf_eager bench_ours_cudagraph bench_hf_compile bench_packed bench_long}; do
+  case $st in
     train20) run train20 $(left 120) "$D train --recipe $R --steps 20 $E --out $SHIM/run_train20 --no-final-checkpoint --json"
              keep train20 ;;
-    bench_ours|bench_hf_eager) run $st $(left 120) "$BT $SM --tokens $T4,$T16 --batch 2 --impls ${st#bench_} --profile --append --out $OUT/bench_train.json" ;;
+    bench_ours|bench_hf_eager) run $st $(left ${TR:-170}) "$BT $SM --tokens $T4,$T16 --batch 2 --impls ${st#bench_} --profile --append --out $OUT/bench_train.json" ;;
+    bench_ours_cudagraph) run $st $(left ${TR:-170}) "$BT $SM --warmup 3 --tokens $T4,$T16 --batch 2 --impls ours_cudagraph --profile --append --out $OUT/bench_train.json" ;;
+    bench_packed) run $st $(left 90) "$BT $SM --tokens $T16 --batch 2 --impls ours_packed --profile --append --out $OUT/bench_train.json" ;;
+    bench_long) run $st $(left 150) "$BT $SM --steps 3 --warmup 1 --tokens $(( T16 * 4 )),$(( T16 * 8 )) --batch 1 --impls ours --append --out $OUT/bench_train.json" ;;
     bench_*) run $st $(left 240) "$BT $SM --tokens $T4 --batch 2 --impls ${st#bench_} --profile --append --out $OUT/bench_train.json" ;;
   esac; done
 fi

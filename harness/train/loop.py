@@ -80,6 +80,8 @@ class Recipe:
     packing: bool = False           # THD: documents packed into one [1, B*S] row per step (P7 scheduler)
     text_errors: str = "strict"     # text files that are not UTF-8: strict (refuse) | replace (U+FFFD)
     compile: bool = False           # torch.compile every block (DSv4Model.compile_blocks); same math
+    cuda_graphs: bool = False       # compile_blocks(mode="reduce-overhead"): each block's fwd / bwd replayed as CUDA
+                                    # graphs (Inductor's cudagraph trees; CUDA only); same math, no host launches
     # --- opt-in extensions (issue 18; the defaults keep the debug / tiny / proxy runs and their goldens) ---
     lr_schedule: str = "cosine"     # cosine | wsd (warm-up, stable until decay_start, cosine) -- harness/train/schedule.py
     decay_start: int = 0            # wsd: last step at the peak LR
@@ -399,10 +401,12 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
         if recipe.backend != "triton" or not hasattr(model, "set_kernel_backend"):
             raise TrainError(f"train.backend: must be naive|triton, got {recipe.backend!r}")
         model.set_kernel_backend(recipe.backend)
-    if recipe.compile:
+    if recipe.cuda_graphs and device.type != "cuda":
+        raise TrainError(f"train.cuda_graphs: CUDA graphs need --device cuda, got {device.type}")
+    if recipe.compile or recipe.cuda_graphs:
         if not hasattr(model, "compile_blocks"):
             raise TrainError("train.compile: this model has no compile_blocks()")
-        model.compile_blocks()
+        model.compile_blocks(**({"mode": "reduce-overhead"} if recipe.cuda_graphs else {}))
     model.train()
     # Newton–Schulz in bf16 for bf16 runs (spec §10.4: "Newton–Schulz can run in BF16"), fp32 otherwise
     opt = build_optimizer(model, lr=recipe.lr, weight_decay=recipe.weight_decay,
@@ -415,7 +419,7 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
     if resume:
         m_state, o_state, rng, meta = loaded
         def core(r):
-            return {k: v for k, v in r.items() if k not in ("steps", "save_interval", "compile")}
+            return {k: v for k, v in r.items() if k not in ("steps", "save_interval", "compile", "cuda_graphs")}
         now = json.loads(json.dumps(asdict(recipe)))                        # tuples -> lists, as stored
         if meta["config_hash"] != cfg_hash or core(meta["recipe"]) != core(now):
             raise TrainError(f"resume: checkpoint {resume!r} was made with another recipe/config")
@@ -500,6 +504,8 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
                 real_tokens, step_flops = tokens_per_step, fl * tokens_per_step
                 fwd = lambda: model(x, y, return_logits=return_logits)            # noqa: E731
             opt.zero_grad(set_to_none=True)
+            if recipe.cuda_graphs:            # a new iteration of the cudagraph trees (last step's outputs are freed)
+                torch.compiler.cudagraph_mark_step_begin()
             if amp is not None:
                 with amp:
                     o = fwd()
@@ -634,6 +640,9 @@ def _cfg_dict(cfg, base_mtp) -> dict:
                    "replace (U+FFFD)")
 @click.option("--packing/--no-packing", default=None, help="THD: pack whole documents into one row per step")
 @click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile every block")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=None, help="torch.compile every block in Inductor's "
+              "reduce-overhead mode: its forward and backward replay as CUDA graphs (CUDA only; `dsv4 bench train "
+              "--impls ours_cudagraph` measures it)")
 @click.option("--init", "init", type=click.Path(), default=None,
               help="start from a checkpoint: HF / official directory or a dsv4 run")
 @click.option("--sft-data", type=click.Path(), default=None, help="SFT recipes: chat JSONL ({'messages': [...]})")
@@ -667,15 +676,16 @@ def _cfg_dict(cfg, base_mtp) -> dict:
 @click.option("--fsdp-bf16", is_flag=True, help="FSDP2 bf16 all-gather / compute (P1's FP32-kept parameters "
               "outside FSDP) instead of FP32 masters under autocast; needs --dp > 1, --pp 1, --dtype fp32")
 def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, final_checkpoint, overwrite, threads,
-              backend, text, text_errors, packing, compile_, init, sft_data, tokenizer, curriculum, lr_schedule,
-              decay_start, mtp_weight_after_decay, recompute, precision, indexer_qk_precision, as_json, dp, pp, vpp,
-              cp, ep, schedule, microbatches, timeout_s, optimizer, fsdp_bf16):
+              backend, text, text_errors, packing, compile_, cuda_graphs, init, sft_data, tokenizer, curriculum,
+              lr_schedule, decay_start, mtp_weight_after_decay, recompute, precision, indexer_qk_precision, as_json,
+              dp, pp, vpp, cp, ep, schedule, microbatches, timeout_s, optimizer, fsdp_bf16):
     """Train a DSv4 model on one device (debug: seconds on CPU; tiny: the CPU loss-curve golden), or under
     torchrun on a (pp, dp, cp, ep) mesh with --dp/--pp/--vpp/--cp/--ep."""
     r = RECIPES[recipe]
     kw = {k: v for k, v in dict(steps=steps, device=device, dtype=dtype, save_interval=save_interval,
                                  threads=threads, backend=backend, text=tuple(text) or None,
-                                 text_errors=text_errors, packing=packing, compile=compile_, init=init,
+                                 text_errors=text_errors, packing=packing, compile=compile_, cuda_graphs=cuda_graphs,
+                                 init=init,
                                  sft_data=sft_data, tokenizer=tokenizer, curriculum=curriculum,
                                  lr_schedule=lr_schedule, decay_start=decay_start,
                                  mtp_weight_after_decay=mtp_weight_after_decay, recompute=recompute,

@@ -135,6 +135,25 @@ def test_train_and_bench_have_compile_flags(tmp_path, monkeypatch):
     assert "--compile" in CliRunner().invoke(bench_train_cmd, ["--help"]).output
 
 
+def test_train_cuda_graphs_needs_cuda(tmp_path, monkeypatch):
+    """`dsv4 train --cuda-graphs`: on CPU one line naming the field, exit 2, nothing compiled (the CUDA run,
+    compile_blocks(mode="reduce-overhead"), is measured on the H200 as `dsv4 bench train --impls ours_cudagraph`
+    and the curve of harness/device/final_h200.sh)."""
+    import pytest
+    from click.testing import CliRunner
+
+    from dsv4.harness.train import loop
+    calls = []
+    monkeypatch.setattr(DSv4Model, "compile_blocks", lambda self, **kw: calls.append(kw) or self)
+    r = CliRunner().invoke(loop.train_cmd, ["--recipe", "debug", "--steps", "1", "--cuda-graphs",
+                                            "--out", str(tmp_path / "run")])
+    assert r.exit_code == 2, r.output
+    assert "train.cuda_graphs" in r.output and "--device cuda" in r.output and calls == []
+    with pytest.raises(loop.TrainError, match="cuda_graphs"):
+        loop.train(loop.Recipe(**{**loop.asdict(loop.RECIPES["debug"]), "steps": 1, "cuda_graphs": True}),
+                   str(tmp_path / "run2"), progress=False)
+
+
 def test_blocks_of_one_kind_share_one_compiled_graph():
     """Four CSA layers (layer 0 hash-routed) and the MTP block compile to 3 graphs: hash CSA, score CSA (layers
     1-3 share it) and MTP. Each block gets its own empty loss container (model.run_block) and the attention
