@@ -329,6 +329,8 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
         raise TrainError("train.device: cuda requested but no CUDA device is available")
     if recipe.dtype not in DTYPES:
         raise TrainError(f"train.dtype: must be {'|'.join(DTYPES)}, got {recipe.dtype!r}")
+    if recipe.cuda_graphs and recipe.device != "cuda":
+        raise TrainError(f"train.cuda_graphs: CUDA graphs need --device cuda, got {recipe.device}")
     if recipe.backend == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise TrainError("train.backend: triton needs a CUDA GPU: none visible (torch.cuda.is_available() is "
                          "False); use --backend naive")
@@ -401,8 +403,6 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
         if recipe.backend != "triton" or not hasattr(model, "set_kernel_backend"):
             raise TrainError(f"train.backend: must be naive|triton, got {recipe.backend!r}")
         model.set_kernel_backend(recipe.backend)
-    if recipe.cuda_graphs and device.type != "cuda":
-        raise TrainError(f"train.cuda_graphs: CUDA graphs need --device cuda, got {device.type}")
     if recipe.compile or recipe.cuda_graphs:
         if not hasattr(model, "compile_blocks"):
             raise TrainError("train.compile: this model has no compile_blocks()")

@@ -18,6 +18,7 @@ use_interpreter()
 import os  # noqa: E402
 import tempfile  # noqa: E402
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dsv4.model import moe  # noqa: E402
@@ -136,10 +137,9 @@ def test_train_and_bench_have_compile_flags(tmp_path, monkeypatch):
 
 
 def test_train_cuda_graphs_needs_cuda(tmp_path, monkeypatch):
-    """`dsv4 train --cuda-graphs`: on CPU one line naming the field, exit 2, nothing compiled (the CUDA run,
+    """`dsv4 train --cuda-graphs`: on CPU one line naming the field, exit 2, nothing compiled or written (the CUDA run,
     compile_blocks(mode="reduce-overhead"), is measured on the H200 as `dsv4 bench train --impls ours_cudagraph`
     and the curve of harness/device/final_h200.sh)."""
-    import pytest
     from click.testing import CliRunner
 
     from dsv4.harness.train import loop
@@ -149,6 +149,7 @@ def test_train_cuda_graphs_needs_cuda(tmp_path, monkeypatch):
                                             "--out", str(tmp_path / "run")])
     assert r.exit_code == 2, r.output
     assert "train.cuda_graphs" in r.output and "--device cuda" in r.output and calls == []
+    assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "run").exists(), r.output
     with pytest.raises(loop.TrainError, match="cuda_graphs"):
         loop.train(loop.Recipe(**{**loop.asdict(loop.RECIPES["debug"]), "steps": 1, "cuda_graphs": True}),
                    str(tmp_path / "run2"), progress=False)
