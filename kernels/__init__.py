@@ -1,6 +1,7 @@
 """Kernel ops, one folder per op: `naive.py` (plain PyTorch, the reference and the CPU fallback), `triton.py`
 (the Triton kernels and their launch code) and `op.py` (the Triton kernels registered as `torch.library`
-custom ops `dsv4::*`, with fake implementations and autograd, so `torch.compile` sees one opaque node).
+custom ops `dsv4::*`, with fake implementations and autograd, so `torch.compile` sees one opaque node; eager calls
+run the same bodies through one `autograd.Function`, skipping the dispatcher: `_custom_op.py`).
 
 The one dispatch mechanism: `get_op(name, backend, device)` returns op `name`'s implementation for `backend`
 ("naive" | "triton") from the table `OPS`, after a capability check that raises `KernelUnavailable` with one

@@ -65,3 +65,64 @@ def test_get_op_names_what_is_missing(monkeypatch):
     with pytest.raises(K.KernelUnavailable, match="backend 'triton' needs CUDA or TRITON_INTERPRET=1"):
         K.get_op("hc_post", "triton", torch.device("cpu"))
     assert K.get_op("hc_post", "naive", torch.device("cpu")) is not None
+
+
+def _eager_calls():
+    """custom op name -> the function model code calls (kernels/_custom_op.autograd_op)."""
+    from dsv4.kernels.compressor import op as comp
+    from dsv4.kernels.indexer import op as idx
+    from dsv4.kernels.mhc import op as mhc
+    from dsv4.kernels.rmsnorm import op as rms
+    from dsv4.kernels.rope import op as rope
+    from dsv4.kernels.sparse_attn import op as sa
+    from dsv4.kernels.swiglu import op as sw
+    return {"sparse_attn_fwd": sa._sparse_attn, "compress_pool_fwd": comp._compress_pool,
+            "indexer_scores_fwd": idx._scores, "indexer_scores_listed_fwd": idx._scores_listed,
+            "hc_pre_fwd": mhc._hc_pre, "hc_post_fwd": mhc._hc_post, "clamped_swiglu_fwd": sw._swiglu,
+            "rms_norm_fwd": rms._rms_norm, "rope_rows": rope._rope_rows}
+
+
+def _leaves(args):
+    return [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) and a.is_floating_point()
+            else a for a in args]
+
+
+def test_eager_calls_equal_the_custom_ops_bit_for_bit_and_skip_the_dispatcher():
+    """Every op with autograd: the eager path (one autograd.Function over the custom op's own body and backward)
+    gives the custom op's outputs and input gradients bit for bit, dispatches no `dsv4::` op (that is the
+    overhead it removes), and under fake tensors (what torch.compile traces with) the call is the custom op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dsv4.kernels._testing import dispatched_ops
+    K.prepare("triton", torch.device(DEV))
+    calls, seen = _eager_calls(), set()
+    for name, args in _cases():
+        if name not in calls:
+            continue
+        seen.add(name)
+        a_op, a_eager = _leaves(args), _leaves(args)
+        out_op = getattr(torch.ops.dsv4, name)(*a_op)
+        out_eager = calls[name](*a_eager)
+        out_op = out_op if isinstance(out_op, tuple) else (out_op,)
+        out_eager = out_eager if isinstance(out_eager, tuple) else (out_eager,)
+        assert len(out_op) == len(out_eager), name
+        g = torch.Generator(device=DEV).manual_seed(1)
+        loss_op, loss_eager = 0, 0
+        for o, e in zip(out_op, out_eager):
+            assert torch.equal(o, e), name
+            if o.requires_grad and o.is_floating_point():
+                w = torch.randn(o.shape, generator=g, device=DEV, dtype=o.dtype)
+                loss_op, loss_eager = loss_op + (o * w).sum(), loss_eager + (e * w).sum()
+        loss_op.backward()
+        loss_eager.backward()
+        for x, y in zip(a_op, a_eager):
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                assert x.grad is not None and torch.equal(x.grad, y.grad), name
+        ops = dispatched_ops(lambda: calls[name](*_leaves(args)))
+        assert not any(k.startswith(("rms_norm", "rope_rows", "hc_", "sparse_attn", "compress_pool", "indexer_scores",
+                                     "clamped_swiglu")) for k in ops), (name, ops)
+        with FakeTensorMode() as mode:
+            fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            out = calls[name](*fake)                   # the eager body would launch Triton on fake tensors
+        assert all(type(o).__name__ == "FakeTensor" for o in (out if isinstance(out, tuple) else (out,))), name
+    assert seen == set(calls)

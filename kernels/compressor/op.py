@@ -4,6 +4,7 @@ metadata (integer outputs, no backward); the pool ops run `triton.pool_forward` 
 bodies of `triton._CompressPool`, so the numerics are those of the autograd.Function."""
 import torch
 
+from dsv4.kernels._custom_op import autograd_op, backward_op
 from dsv4.kernels.compressor import naive
 from dsv4.kernels.compressor import triton as T
 
@@ -24,10 +25,12 @@ def _(seg, pos, ratio, overlap, first):
             seg.new_empty(N, dtype=torch.int32), seg.new_empty(N, dtype=torch.int32))
 
 
-@torch.library.custom_op("dsv4::compress_pool_fwd", mutates_args=())
-def compress_pool_fwd(kv: Tensor, gate: Tensor, ape: Tensor, r0: Tensor, hp: Tensor, pos: Tensor, ratio: int,
-                      overlap: bool, first: int) -> Tensor:
+def _compress_pool_fwd(kv: Tensor, gate: Tensor, ape: Tensor, r0: Tensor, hp: Tensor, pos: Tensor, ratio: int,
+                       overlap: bool, first: int) -> Tensor:
     return T.pool_forward(kv.contiguous(), gate.contiguous(), ape.contiguous(), r0, hp, ratio, overlap)
+
+
+compress_pool_fwd = torch.library.custom_op("dsv4::compress_pool_fwd", mutates_args=())(_compress_pool_fwd)
 
 
 @compress_pool_fwd.register_fake
@@ -35,11 +38,13 @@ def _(kv, gate, ape, r0, hp, pos, ratio, overlap, first):
     return kv.new_empty(r0.shape[0], kv.shape[1] // 2 if overlap else kv.shape[1])
 
 
-@torch.library.custom_op("dsv4::compress_pool_bwd", mutates_args=())
-def compress_pool_bwd(dout: Tensor, kv: Tensor, gate: Tensor, ape: Tensor, r0: Tensor, hp: Tensor, pos: Tensor,
-                      ratio: int, overlap: bool, first: int) -> tuple[Tensor, Tensor, Tensor]:
+def _compress_pool_bwd(dout: Tensor, kv: Tensor, gate: Tensor, ape: Tensor, r0: Tensor, hp: Tensor, pos: Tensor,
+                       ratio: int, overlap: bool, first: int) -> tuple[Tensor, Tensor, Tensor]:
     return T.pool_backward(dout, kv.contiguous(), gate.contiguous(), ape.contiguous(), r0, hp, pos, ratio, overlap,
                            first)
+
+
+compress_pool_bwd = torch.library.custom_op("dsv4::compress_pool_bwd", mutates_args=())(_compress_pool_bwd)
 
 
 @compress_pool_bwd.register_fake
@@ -55,11 +60,12 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dout):
     kv, gate, ape, r0, hp, pos = ctx.saved_tensors
-    dkv, dgate, dape = torch.ops.dsv4.compress_pool_bwd(dout, kv, gate, ape, r0, hp, pos, *ctx.cfg)
+    bwd = backward_op(ctx, compress_pool_bwd, _compress_pool_bwd)
+    dkv, dgate, dape = bwd(dout, kv, gate, ape, r0, hp, pos, *ctx.cfg)
     return dkv, dgate, dape, None, None, None, None, None, None
 
 
-compress_pool_fwd.register_autograd(_backward, setup_context=_setup)
+_compress_pool = autograd_op(compress_pool_fwd, _compress_pool_fwd, _setup, _backward)
 
 
 def _meta(seg, pos, ratio, overlap, first):
@@ -67,7 +73,7 @@ def _meta(seg, pos, ratio, overlap, first):
 
 
 def _pool(kv, gate, ape, r0, hp, pos, ratio, overlap, first):
-    return torch.ops.dsv4.compress_pool_fwd(kv, gate, ape, r0, hp, pos, int(ratio), bool(overlap), int(first))
+    return _compress_pool(kv, gate, ape, r0, hp, pos, int(ratio), bool(overlap), int(first))
 
 
 def compress_pool(kv: Tensor, gate: Tensor, ape: Tensor, ratio: int, overlap: bool, seg: Tensor, pos: Tensor,

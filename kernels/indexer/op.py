@@ -5,6 +5,7 @@ Packed layout (the contract of `naive.indexer_scores`): qI [Tq,nI,cI], kI [N,cI]
 Top-k (`indexer_topk`) is plain PyTorch (a stable sort) and needs no registration."""
 import torch
 
+from dsv4.kernels._custom_op import autograd_op, backward_op
 from dsv4.kernels._triton_util import FnCtx
 from dsv4.kernels.indexer import naive
 from dsv4.kernels.indexer import triton as T
@@ -12,10 +13,12 @@ from dsv4.kernels.indexer import triton as T
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("dsv4::indexer_scores_fwd", mutates_args=())
-def indexer_scores_fwd(qI: Tensor, kI: Tensor, w: Tensor, ratio: int, seg_q: Tensor, pos_q: Tensor,
-                       entry_seg: Tensor, entry_j: Tensor) -> Tensor:
+def _indexer_scores_fwd(qI: Tensor, kI: Tensor, w: Tensor, ratio: int, seg_q: Tensor, pos_q: Tensor,
+                        entry_seg: Tensor, entry_j: Tensor) -> Tensor:
     return T._IndexerScores.forward(FnCtx(), qI, kI, w, ratio, seg_q, pos_q, entry_seg, entry_j)
+
+
+indexer_scores_fwd = torch.library.custom_op("dsv4::indexer_scores_fwd", mutates_args=())(_indexer_scores_fwd)
 
 
 @indexer_scores_fwd.register_fake
@@ -23,15 +26,17 @@ def _(qI, kI, w, ratio, seg_q, pos_q, entry_seg, entry_j):
     return qI.new_empty(qI.shape[0], kI.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op("dsv4::indexer_scores_bwd", mutates_args=())
-def indexer_scores_bwd(dI: Tensor, qI: Tensor, kI: Tensor, w: Tensor, ratio: int, seg_q: Tensor, pos_q: Tensor,
-                       entry_seg: Tensor, entry_j: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _indexer_scores_bwd(dI: Tensor, qI: Tensor, kI: Tensor, w: Tensor, ratio: int, seg_q: Tensor, pos_q: Tensor,
+                        entry_seg: Tensor, entry_j: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     ctx = FnCtx()                                      # what _IndexerScores.forward leaves
     ctx.save_for_backward(qI.contiguous(), kI.contiguous(), w.contiguous(),
                           *T._meta(seg_q, pos_q, entry_seg, entry_j))
     ctx.cfg = (ratio, qI.shape[1] ** -0.5 * qI.shape[2] ** -0.5)
     dq, dk, dw, *_ = T._IndexerScores.backward(ctx, dI)
     return dq, dk, dw
+
+
+indexer_scores_bwd = torch.library.custom_op("dsv4::indexer_scores_bwd", mutates_args=())(_indexer_scores_bwd)
 
 
 @indexer_scores_bwd.register_fake
@@ -47,18 +52,19 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dI):
     qI, kI, w, seg_q, pos_q, entry_seg, entry_j = ctx.saved_tensors
-    dq, dk, dw = torch.ops.dsv4.indexer_scores_bwd(dI, qI, kI, w, ctx.ratio, seg_q, pos_q, entry_seg, entry_j)
+    bwd = backward_op(ctx, indexer_scores_bwd, _indexer_scores_bwd)
+    dq, dk, dw = bwd(dI, qI, kI, w, ctx.ratio, seg_q, pos_q, entry_seg, entry_j)
     return dq, dk, dw, None, None, None, None, None
 
 
-indexer_scores_fwd.register_autograd(_backward, setup_context=_setup)
+_scores = autograd_op(indexer_scores_fwd, _indexer_scores_fwd, _setup, _backward)
 
 
 def indexer_scores(qI: Tensor, kI: Tensor, w: Tensor, ratio: int, seg_q: Tensor, pos_q: Tensor, entry_seg: Tensor,
                    entry_j: Tensor) -> Tensor:
     """qI [Tq,nI,cI], kI [N,cI], w [Tq,nI], metadata -> I [Tq,N] fp32 (-inf where not visible), Triton custom op."""
     naive.check_scores_args(qI, kI, w, ratio, seg_q, pos_q, entry_seg, entry_j)
-    return torch.ops.dsv4.indexer_scores_fwd(qI, kI, w, int(ratio), seg_q, pos_q, entry_seg, entry_j)
+    return _scores(qI, kI, w, int(ratio), seg_q, pos_q, entry_seg, entry_j)
 
 
 
@@ -83,8 +89,7 @@ def _dots(qI, kI, idx):
     return K, torch.bmm(K, qI.transpose(1, 2).to(K.dtype)).float()              # [C, k, nI] fp32
 
 
-@torch.library.custom_op("dsv4::indexer_scores_listed_fwd", mutates_args=())
-def indexer_scores_listed_fwd(qI: Tensor, kI: Tensor, w: Tensor, idx: Tensor) -> Tensor:
+def _indexer_scores_listed_fwd(qI: Tensor, kI: Tensor, w: Tensor, idx: Tensor) -> Tensor:
     nI, cI = qI.shape[-2:]
     out = torch.empty(idx.shape, device=qI.device, dtype=torch.float32)
     for a in range(0, idx.shape[0], _CHUNK):
@@ -94,13 +99,17 @@ def indexer_scores_listed_fwd(qI: Tensor, kI: Tensor, w: Tensor, idx: Tensor) ->
     return out.masked_fill_(idx < 0, float("-inf"))
 
 
+indexer_scores_listed_fwd = torch.library.custom_op("dsv4::indexer_scores_listed_fwd",
+                                                    mutates_args=())(_indexer_scores_listed_fwd)
+
+
 @indexer_scores_listed_fwd.register_fake
 def _(qI, kI, w, idx):
     return qI.new_empty(idx.shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("dsv4::indexer_scores_listed_bwd", mutates_args=())
-def indexer_scores_listed_bwd(dI: Tensor, qI: Tensor, kI: Tensor, w: Tensor, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _indexer_scores_listed_bwd(dI: Tensor, qI: Tensor, kI: Tensor, w: Tensor,
+                               idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     nI, cI = qI.shape[-2:]
     s = (nI * cI) ** -0.5
     dq = torch.empty(qI.shape, device=qI.device, dtype=torch.float32)
@@ -137,6 +146,10 @@ def indexer_scores_listed_bwd(dI: Tensor, qI: Tensor, kI: Tensor, w: Tensor, idx
     return dq.to(qI.dtype), dk[:n_kv].to(kI.dtype), dw.to(w.dtype)
 
 
+indexer_scores_listed_bwd = torch.library.custom_op("dsv4::indexer_scores_listed_bwd",
+                                                    mutates_args=())(_indexer_scores_listed_bwd)
+
+
 @indexer_scores_listed_bwd.register_fake
 def _(dI, qI, kI, w, idx):
     return qI.new_empty(qI.shape), kI.new_empty(kI.shape), w.new_empty(w.shape)
@@ -148,13 +161,13 @@ def _setup_listed(ctx, inputs, output):
 
 def _backward_listed(ctx, dI):
     qI, kI, w, idx = ctx.saved_tensors
-    dq, dk, dw = torch.ops.dsv4.indexer_scores_listed_bwd(dI, qI, kI, w, idx)
+    dq, dk, dw = backward_op(ctx, indexer_scores_listed_bwd, _indexer_scores_listed_bwd)(dI, qI, kI, w, idx)
     return dq, dk, dw, None
 
 
-indexer_scores_listed_fwd.register_autograd(_backward_listed, setup_context=_setup_listed)
+_scores_listed = autograd_op(indexer_scores_listed_fwd, _indexer_scores_listed_fwd, _setup_listed, _backward_listed)
 
 
 def indexer_scores_listed(qI: Tensor, kI: Tensor, w: Tensor, idx: Tensor) -> Tensor:
     """`naive.indexer_scores_listed` in query chunks with recompute (custom op; any device)."""
-    return torch.ops.dsv4.indexer_scores_listed_fwd(qI, kI, w, idx)
+    return _scores_listed(qI, kI, w, idx)

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from dsv4.kernels._custom_op import autograd_op, backward_op
 from dsv4.kernels._triton_util import FnCtx
 from dsv4.kernels.mhc import triton as T
 
@@ -14,14 +15,16 @@ Tensor = torch.Tensor
 
 
 # ------------------------------------------------------------------------------------------------ hc_pre
-@torch.library.custom_op("dsv4::hc_pre_fwd", mutates_args=())
-def hc_pre_fwd(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: float,
-               norm_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _hc_pre_fwd(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: float,
+                norm_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (u [N,d] x.dtype, post [N,n], comb [N,n,n], and for the backward mix [N,RP], rinv [N], pre [N,n])."""
     ctx = FnCtx()
     u, post, comb = T._HcPre.forward(ctx, x, fn, base, scale, iters, eps, norm_eps)
     _, _, _, _, mix, rinv, pre = ctx.saved_tensors
     return u, post, comb, mix, rinv, pre
+
+
+hc_pre_fwd = torch.library.custom_op("dsv4::hc_pre_fwd", mutates_args=())(_hc_pre_fwd)
 
 
 @hc_pre_fwd.register_fake
@@ -32,16 +35,18 @@ def _(x, fn, base, scale, iters, eps, norm_eps):
             x.new_empty(N, T.pow2(fn.shape[0]), **f32), x.new_empty(N, **f32), x.new_empty(N, n, **f32))
 
 
-@torch.library.custom_op("dsv4::hc_pre_bwd", mutates_args=())
-def hc_pre_bwd(du: Optional[Tensor], dpost: Optional[Tensor], dcomb: Optional[Tensor], x: Tensor, fn: Tensor,
-               base: Tensor, scale: Tensor, mix: Tensor, rinv: Tensor, pre: Tensor, iters: int,
-               eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _hc_pre_bwd(du: Optional[Tensor], dpost: Optional[Tensor], dcomb: Optional[Tensor], x: Tensor, fn: Tensor,
+                base: Tensor, scale: Tensor, mix: Tensor, rinv: Tensor, pre: Tensor, iters: int,
+                eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     ctx = FnCtx()                                      # what _HcPre.forward leaves
     ctx.save_for_backward(x.contiguous(), fn.float().contiguous(), base.float().contiguous(),
                           scale.float().contiguous(), mix, rinv, pre)
     ctx.cfg = (int(iters), float(eps), fn.dtype, base.dtype, scale.dtype)
     dx, dfn, dbase, dscale, _, _, _ = T._HcPre.backward(ctx, du, dpost, dcomb)
     return dx, dfn, dbase, dscale
+
+
+hc_pre_bwd = torch.library.custom_op("dsv4::hc_pre_bwd", mutates_args=())(_hc_pre_bwd)
 
 
 @hc_pre_bwd.register_fake
@@ -57,12 +62,12 @@ def _pre_setup(ctx, inputs, output):
 
 def _pre_backward(ctx, du, dpost, dcomb, *_extra):
     x, fn, base, scale, mix, rinv, pre = ctx.saved_tensors
-    dx, dfn, dbase, dscale = torch.ops.dsv4.hc_pre_bwd(du, dpost, dcomb, x, fn, base, scale, mix, rinv, pre,
-                                                       *ctx.cfg)
+    bwd = backward_op(ctx, hc_pre_bwd, _hc_pre_bwd)
+    dx, dfn, dbase, dscale = bwd(du, dpost, dcomb, x, fn, base, scale, mix, rinv, pre, *ctx.cfg)
     return dx, dfn, dbase, dscale, None, None, None
 
 
-hc_pre_fwd.register_autograd(_pre_backward, setup_context=_pre_setup)
+_hc_pre = autograd_op(hc_pre_fwd, _hc_pre_fwd, _pre_setup, _pre_backward)
 
 
 def hc_pre(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: float, norm_eps: float):
@@ -70,14 +75,16 @@ def hc_pre(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: 
     N, n, d = x.shape
     if tuple(fn.shape) != ((2 + n) * n, n * d):
         raise ValueError(f"hc_pre: fn shape {tuple(fn.shape)} != ((2+n)n, n*d) = {((2 + n) * n, n * d)}")
-    u, post, comb, *_ = torch.ops.dsv4.hc_pre_fwd(x, fn, base, scale, int(iters), float(eps), float(norm_eps))
+    u, post, comb, *_ = _hc_pre(x, fn, base, scale, int(iters), float(eps), float(norm_eps))
     return u, post, comb
 
 
 # ----------------------------------------------------------------------------------------------- hc_post
-@torch.library.custom_op("dsv4::hc_post_fwd", mutates_args=())
-def hc_post_fwd(x: Tensor, out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+def _hc_post_fwd(x: Tensor, out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     return T._HcPost.forward(FnCtx(), x, out, post, comb)
+
+
+hc_post_fwd = torch.library.custom_op("dsv4::hc_post_fwd", mutates_args=())(_hc_post_fwd)
 
 
 @hc_post_fwd.register_fake
@@ -85,13 +92,15 @@ def _(x, out, post, comb):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("dsv4::hc_post_bwd", mutates_args=())
-def hc_post_bwd(dy: Tensor, x: Tensor, out: Tensor, post: Tensor,
-                comb: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _hc_post_bwd(dy: Tensor, x: Tensor, out: Tensor, post: Tensor,
+                 comb: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     ctx = FnCtx()                                      # what _HcPost.forward leaves
     ctx.save_for_backward(x.contiguous(), out.contiguous(), post.float().contiguous(), comb.float().contiguous())
     ctx.dts = (out.dtype, post.dtype, comb.dtype)
     return T._HcPost.backward(ctx, dy)
+
+
+hc_post_bwd = torch.library.custom_op("dsv4::hc_post_bwd", mutates_args=())(_hc_post_bwd)
 
 
 @hc_post_bwd.register_fake
@@ -104,10 +113,10 @@ def _post_setup(ctx, inputs, output):
 
 
 def _post_backward(ctx, dy):
-    return torch.ops.dsv4.hc_post_bwd(dy, *ctx.saved_tensors)
+    return backward_op(ctx, hc_post_bwd, _hc_post_bwd)(dy, *ctx.saved_tensors)
 
 
-hc_post_fwd.register_autograd(_post_backward, setup_context=_post_setup)
+_hc_post = autograd_op(hc_post_fwd, _hc_post_fwd, _post_setup, _post_backward)
 
 
 def hc_post(x: Tensor, out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
@@ -116,4 +125,4 @@ def hc_post(x: Tensor, out: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     if tuple(out.shape) != (N, d) or tuple(post.shape) != (N, n) or tuple(comb.shape) != (N, n, n):
         raise ValueError(f"hc_post: shapes x {tuple(x.shape)}, out {tuple(out.shape)}, post {tuple(post.shape)}, "
                          f"comb {tuple(comb.shape)} do not match [N,n,d], [N,d], [N,n], [N,n,n]")
-    return torch.ops.dsv4.hc_post_fwd(x, out, post, comb)
+    return _hc_post(x, out, post, comb)

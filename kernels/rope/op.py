@@ -1,15 +1,19 @@
 """`dsv4::rope_rows`: the Triton rotary embedding as a torch custom op (opaque to torch.compile, a fake
-implementation for shapes), whose backward is the same op with the opposite angles."""
+implementation for shapes), whose backward is the same op with the opposite angles; eager calls skip the
+dispatcher (kernels/_custom_op.py)."""
 import torch
 
+from dsv4.kernels._custom_op import autograd_op, backward_op
 from dsv4.kernels.rope import triton as T
 
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("dsv4::rope_rows", mutates_args=())
-def rope_rows_op(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
+def _rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
     return T.rope_rows(x, cos, sin, inverse)
+
+
+rope_rows_op = torch.library.custom_op("dsv4::rope_rows", mutates_args=())(_rope)
 
 
 @rope_rows_op.register_fake
@@ -25,10 +29,10 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dy):
     cos, sin = ctx.saved_tensors                 # the angles carry no gradient (positions and frequencies)
-    return torch.ops.dsv4.rope_rows(dy, cos, sin, not ctx.inverse), None, None, None
+    return backward_op(ctx, rope_rows_op, _rope)(dy, cos, sin, not ctx.inverse), None, None, None
 
 
-rope_rows_op.register_autograd(_backward, setup_context=_setup)
+_rope_rows = autograd_op(rope_rows_op, _rope, _setup, _backward)
 
 
 def rope_rows(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
@@ -36,4 +40,4 @@ def rope_rows(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Ten
     if x.dim() != 3 or cos.shape != sin.shape or cos.shape != (x.shape[0], cos.shape[-1]) or 2 * cos.shape[-1] > x.shape[-1]:
         raise ValueError(f"rope_rows: x [P, G, C] with cos / sin [P, h], 2h <= C; got x {tuple(x.shape)}, "
                          f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
-    return torch.ops.dsv4.rope_rows(x, cos, sin, bool(inverse))
+    return _rope_rows(x, cos, sin, bool(inverse))

@@ -81,10 +81,13 @@ def test_gradcheck_fp64():
     assert torch.autograd.gradcheck(lambda a: rope_rows(a, ang.cos(), ang.sin(), True, backend="triton"), (x,))
 
 
-def test_the_model_module_runs_one_kernel_each_way():
-    """model/rope.py RotaryTable on the triton backend: forward + backward dispatch the custom op twice and the
+def test_the_model_module_runs_one_kernel_each_way(monkeypatch):
+    """model/rope.py RotaryTable on the triton backend, on its custom-op path (what torch.compile sees; eager calls
+    run the same body through one autograd.Function): forward + backward dispatch the custom op twice and the
     angles (cast, product, cos, sin) (the eager rotation dispatches about 30 ops, one GPU launch each)."""
+    from dsv4.kernels import _custom_op
     from dsv4.kernels._testing import dispatched_ops
+    monkeypatch.setattr(_custom_op, "traced", lambda args: True)   # the custom ops, as torch.compile sees them
     from dsv4.model.config import get_config
     from dsv4.model.rope import RotaryTable
     rope = RotaryTable(get_config("debug"), "main").to(DEV)

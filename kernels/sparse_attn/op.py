@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from dsv4.kernels._custom_op import autograd_op, backward_op
 from dsv4.kernels._triton_util import FnCtx
 from dsv4.kernels.sparse_attn import naive
 from dsv4.kernels.sparse_attn import triton as T
@@ -18,15 +19,17 @@ from dsv4.kernels.sparse_attn import triton as T
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("dsv4::sparse_attn_fwd", mutates_args=())
-def sparse_attn_fwd(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optional[Tensor], sink: Tensor,
-                    seg: Tensor, pos: Tensor, entry_seg: Optional[Tensor], entry_j: Optional[Tensor],
-                    window: int, ratio: int, scale: float, q_off: int) -> tuple[Tensor, Tensor]:
+def _sparse_attn_fwd(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optional[Tensor], sink: Tensor,
+                     seg: Tensor, pos: Tensor, entry_seg: Optional[Tensor], entry_j: Optional[Tensor],
+                     window: int, ratio: int, scale: float, q_off: int) -> tuple[Tensor, Tensor]:
     """-> (o [Tq,H,c] q.dtype, lse [Tq,H] fp32, log2 units)."""
     ctx = FnCtx()
     o = T._SparseAttn.forward(ctx, q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg,
                               entry_j, q_off)
     return o, ctx.saved_tensors[6]
+
+
+sparse_attn_fwd = torch.library.custom_op("dsv4::sparse_attn_fwd", mutates_args=())(_sparse_attn_fwd)
 
 
 @sparse_attn_fwd.register_fake
@@ -45,17 +48,19 @@ def _ctx(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, wind
     return ctx
 
 
-@torch.library.custom_op("dsv4::sparse_attn_bwd", mutates_args=())
-def sparse_attn_bwd(do: Tensor, q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optional[Tensor],
-                    sink: Tensor, seg: Tensor, pos: Tensor, entry_seg: Optional[Tensor], entry_j: Optional[Tensor],
-                    o: Tensor, lse: Tensor, window: int, ratio: int, scale: float,
-                    q_off: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _sparse_attn_bwd(do: Tensor, q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optional[Tensor],
+                     sink: Tensor, seg: Tensor, pos: Tensor, entry_seg: Optional[Tensor], entry_j: Optional[Tensor],
+                     o: Tensor, lse: Tensor, window: int, ratio: int, scale: float,
+                     q_off: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> (dq, dkv, dcomp (empty when comp is None), dsink)."""
     ctx = _ctx(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, window, ratio, scale, q_off)
     dq, dkv, dcomp, _, dsink, *_ = T._SparseAttn.backward(ctx, do)
     if dcomp is None:
         dcomp = q.new_empty(0)
     return dq, dkv, dcomp, dsink
+
+
+sparse_attn_bwd = torch.library.custom_op("dsv4::sparse_attn_bwd", mutates_args=())(_sparse_attn_bwd)
 
 
 @sparse_attn_bwd.register_fake
@@ -73,12 +78,12 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, do, _dlse):
     q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse = ctx.saved_tensors
-    dq, dkv, dcomp, dsink = torch.ops.dsv4.sparse_attn_bwd(do, q, kv, comp, comp_idx, sink, seg, pos, entry_seg,
-                                                           entry_j, o, lse, *ctx.args)
+    bwd = backward_op(ctx, sparse_attn_bwd, _sparse_attn_bwd)
+    dq, dkv, dcomp, dsink = bwd(do, q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, *ctx.args)
     return (dq, dkv, None if ctx.comp_none else dcomp, None, dsink) + (None,) * 8
 
 
-sparse_attn_fwd.register_autograd(_backward, setup_context=_setup)
+_sparse_attn = autograd_op(sparse_attn_fwd, _sparse_attn_fwd, _setup, _backward)
 
 
 def sparse_attn(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optional[Tensor], sink: Tensor,
@@ -89,7 +94,7 @@ def sparse_attn(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optiona
     naive.check_args(q, kv, comp, comp_idx, sink, window, ratio, seg, pos, entry_seg, entry_j, q_offset)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    o, lse2 = torch.ops.dsv4.sparse_attn_fwd(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, int(window),
+    o, lse2 = _sparse_attn(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, int(window),
                                              int(ratio or 0), float(scale), int(q_offset))
     return (o, lse2.detach() * math.log(2.0)) if return_lse else o
 
