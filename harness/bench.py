@@ -97,18 +97,20 @@ def _csa_idx(S, T, k, ratio, dev, gen):
     return idx
 
 
-def _bench_sparse_attn(seqs, dense_peer, log):
+def _bench_sparse_attn(seqs, dense_peer, log, heads=(64,)):
+    """Rows for each head count (64: DSv4; 16: `proxy`, where a program holds 4 queries forward / 2 backward,
+    kernels/sparse_attn/triton.py); the dense peer at the first."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from dsv4.kernels.sparse_attn import sparse_attn
     from dsv4.kernels.sparse_attn import triton as tri
-    H, c, window, dev = 64, 512, 128, "cuda"
+    H, c, window, dev = heads[0], 512, 128, "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
-    cases = [("window", seqs[0])] + [(m, S) for S in seqs for m in ("csa", "hca")]
-    for mode, S in cases:
+    cases = [(h, m, S) for h in heads for (m, S) in [("window", seqs[0])] + [(m, S) for S in seqs for m in ("csa", "hca")]]
+    for H, mode, S in cases:
         ratio, k = (4, 512) if mode == "csa" else (128, 0)
         q = torch.randn(S, 1, H, c, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
         kv = torch.randn(S, 1, c, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
@@ -144,7 +146,7 @@ def _bench_sparse_attn(seqs, dense_peer, log):
                            nominal_bwd_tflops=10.0 * H * c * 640 * S / bwd * 1e-9)
         except Exception as e:  # noqa: BLE001
             row["triton"] = _err(repr(e))
-        if S == seqs[0]:
+        if S == seqs[0] and H == heads[0]:
             try:
                 nf, nb = _fwd_bwd(lambda: sparse_attn(q1, kv1, comp1, idx1, sink, window, ratio, c ** -0.5, *meta), ins,
                                   rep=30)
@@ -156,6 +158,7 @@ def _bench_sparse_attn(seqs, dense_peer, log):
         rows.append(row)
         del q, kv, comp, idx, sink, ins, q1, kv1, comp1, idx1
         torch.cuda.empty_cache()
+    H = heads[0]
     peers = []
     if dense_peer:
         for S in seqs:
@@ -465,10 +468,12 @@ SMOKE_OPS = ("compressor", "mhc", "swiglu")
 @click.option("--only", default=",".join(OPS), show_default=True, help="Comma list of ops.")
 @click.option("--seqs", default="4096,16384,65536", show_default=True, help="Sparse-attention sequence lengths.")
 @click.option("--tokens", default="16384,65536", show_default=True, help="Compressor / mHC token counts.")
+@click.option("--heads", default="64", show_default=True,
+              help="Sparse-attention head counts (comma list; 64 = DSv4, 16 = proxy); the dense peer uses the first.")
 @click.option("--dense-peer/--no-dense-peer", default=True, help="Time dense causal SDPA at the same lengths.")
 @click.option("--isolate", is_flag=True, help="Each op in its own process (a CUDA fault does not poison the rest).")
 @click.option("--smoke", is_flag=True, help="Tiny compressor / mhc / swiglu sizes; runs on CPU (interpreter).")
-def bench_cmd(as_json, out, out_dir, only, seqs, tokens, dense_peer, isolate, smoke):
+def bench_cmd(as_json, out, out_dir, only, seqs, tokens, heads, dense_peer, isolate, smoke):
     """Triton kernels vs naive vs peers on one GPU (H200); JSON with provenance."""
     import tempfile
 
@@ -481,8 +486,12 @@ def bench_cmd(as_json, out, out_dir, only, seqs, tokens, dense_peer, isolate, sm
     try:
         seq = [int(x) for x in seqs.split(",")]
         toks = [int(x) for x in tokens.split(",")]
+        hs = [int(x) for x in heads.split(",")]
     except ValueError:
-        raise BadInput(f"--seqs / --tokens: comma lists of integers, got {seqs!r} / {tokens!r}") from None
+        raise BadInput(f"--seqs / --tokens / --heads: comma lists of integers, got {seqs!r} / {tokens!r} / "
+                       f"{heads!r}") from None
+    if not hs or min(hs) < 1:
+        raise BadInput(f"--heads: positive head counts, got {heads!r}")
     import torch
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if smoke:
@@ -500,7 +509,7 @@ def bench_cmd(as_json, out, out_dir, only, seqs, tokens, dense_peer, isolate, sm
         if isolate:
             with tempfile.TemporaryDirectory() as tmp:
                 f = Path(tmp) / "r.json"
-                args = ["--only", op, "--seqs", seqs, "--tokens", tokens, "--out", str(f)] + \
+                args = ["--only", op, "--seqs", seqs, "--tokens", tokens, "--heads", heads, "--out", str(f)] + \
                     ([] if dense_peer else ["--no-dense-peer"]) + (["--smoke"] if smoke else [])
                 rc = subprocess.run([sys.executable, "-c", "from dsv4.harness.bench import bench_cmd; bench_cmd()",
                                      *args]).returncode
@@ -512,7 +521,7 @@ def bench_cmd(as_json, out, out_dir, only, seqs, tokens, dense_peer, isolate, sm
             if smoke and op not in SMOKE_OPS:
                 r = {"skipped": f"--smoke covers {', '.join(SMOKE_OPS)}"}
             elif op == "sparse_attn":
-                r = _bench_sparse_attn(seq, dense_peer, log)
+                r = _bench_sparse_attn(seq, dense_peer, log, hs)
             elif op == "indexer":
                 r = _bench_indexer([s for s in seq if s <= 16384] or seq[:1], log)
             elif op == "compressor":

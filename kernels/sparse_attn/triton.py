@@ -10,11 +10,15 @@ row u = q_offset + t; for query t and head h, ONE softmax over
   * the sink logit sink[h] (no value).
 K = V (MQA: all H heads share one kv head of width c).
 
-Schedule (flash-attention style, MQA): one program per (query t, block of BH heads). A key tile's load is masked
+Schedule (flash-attention style, MQA): one program per (QB consecutive queries, block of HB heads); its BH =
+QB * HB rows (query-major: row r = query t0 + r // HB, head r % HB) are the M dimension of the tensor-core tiles.
+HB = min(next_pow2(H), BH): with H >= BH (DSv4, H = 64) a program is one query, as in FlashMLA; with fewer heads
+(`proxy`, H = 16) QB = BH / HB queries share the window and HCA key tiles instead of leaving rows of the tile
+empty (4x fewer window / HCA key loads in the forward, and 2x fewer dKV atomics in the backward, at H = 16).
+Each query's CSA picks are its own: they stream one query at a time with the other rows masked. A key tile's load is masked
 by its address range only (rows <= u, listed idx >= 0, the slot range); visibility (document, window, entry
 completeness, from seg / pos / entry_seg / entry_j) masks the logits, so the tile load never waits on the metadata
-gathers (two levels of indirection stall the software pipeline). The BH heads of
-one query are the M dimension of the tensor-core tiles; keys stream in tiles of BN rows (window rows are
+gathers (two levels of indirection stall the software pipeline). Keys stream in tiles of BN rows (window rows are
 contiguous, CSA rows are gathered by index, HCA rows are contiguous), online softmax in the exp2 domain,
 seeded with the sink (running max = sink, running sum = 1), so a query with no key is well defined.
 
@@ -31,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels._triton_util import configs, pow2
+from dsv4.kernels._triton_util import configs, on_cpu, pow2
 from dsv4.kernels._varlen import entry_ranges
 
 from . import naive
@@ -42,20 +46,30 @@ MODE_NONE, MODE_IDX, MODE_ALL = 0, 1, 2
 # (64, 64|32, 8 warps) compile to wgmma with small register spills (ptxas, sm_90, triton 3.9). Backward: the
 # plain [BN, BD] dKV form needs q and dO twice in shared memory at BH=64 (> 228 KB): BH=32 (mma.sync). The
 # transposed form (DKT: q / dO reused as transposed A operands) fits BH=64 with wgmma but faulted on the device.
+# Every config of a kernel and device has the same BH (rows per program), so the launcher knows HB before tuning.
+_FWD_BH, _BWD_BH, _CPU_BH = 64, 32, 16
 _FWD_CONFIGS = configs(
-    gpu=[dict(BH=64, BN=64, num_warps=8, num_stages=2), dict(BH=64, BN=32, num_warps=8, num_stages=2),
-         dict(BH=64, BN=32, num_warps=8, num_stages=3)],
-    cpu=dict(BH=16, BN=16, num_warps=4, num_stages=1))
+    gpu=[dict(BH=_FWD_BH, BN=64, num_warps=8, num_stages=2), dict(BH=_FWD_BH, BN=32, num_warps=8, num_stages=2),
+         dict(BH=_FWD_BH, BN=32, num_warps=8, num_stages=3)],
+    cpu=dict(BH=_CPU_BH, BN=16, num_warps=4, num_stages=1))
 _BWD_CONFIGS = configs(   # DKT=True (BH=64, wgmma) hit an illegal address on the H200 (triton 3.6, c=512): off
-    gpu=[dict(BH=32, BN=32, DKT=False, num_warps=8, num_stages=1), dict(BH=32, BN=16, DKT=False, num_warps=8, num_stages=2)],
-    cpu=dict(BH=16, BN=16, DKT=False, num_warps=4, num_stages=1))
+    gpu=[dict(BH=_BWD_BH, BN=32, DKT=False, num_warps=8, num_stages=1),
+         dict(BH=_BWD_BH, BN=16, DKT=False, num_warps=8, num_stages=2)],
+    cpu=dict(BH=_CPU_BH, BN=16, DKT=False, num_warps=4, num_stages=1))
+
+
+def _rows(x, H: int, bh_gpu: int) -> tuple[int, int]:
+    """(HB heads, QB queries) of a program for H heads: HB = min(next_pow2(H), BH), QB = BH / HB."""
+    bh = _CPU_BH if on_cpu(x) else bh_gpu
+    hb = min(triton.next_power_of_2(int(H)), bh)
+    return hb, bh // hb
 
 
 # ----------------------------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale                       # [BH, BN] logits, log2 domain
-    s = tl.where(valid[None, :], s, float("-inf"))
+    s = tl.where(valid, s, float("-inf"))                                              # valid [BH, BN]
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -65,76 +79,96 @@ def _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
 
 
 @triton.jit
-def _window_valid(SEG, POS, offs_n, u, seg_u, pos_u, window):
-    """Window keys of key row u: rows <= u of u's document within `window` positions."""
-    inb = (offs_n <= u) & (offs_n >= 0)
+def _window_valid(SEG, POS, offs_n, hi, u, seg_u, pos_u, window):
+    """[rows, keys]: the window keys of each row's key row u [BH]: rows <= u of u's document within `window`
+    positions (keys offs_n [BN] <= hi, the tile's address range)."""
+    inb = (offs_n <= hi) & (offs_n >= 0)
     sk = tl.load(SEG + offs_n, mask=inb, other=-2)
     pk = tl.load(POS + offs_n, mask=inb, other=0)
-    return inb & (sk == seg_u) & (sk >= 0) & (pk <= pos_u) & (pk > pos_u - window)
+    return (inb & (sk >= 0))[None, :] & (offs_n[None, :] <= u[:, None]) & (sk[None, :] == seg_u[:, None]) & \
+        (pk[None, :] <= pos_u[:, None]) & (pk[None, :] > pos_u[:, None] - window)
 
 
 @triton.jit
 def _entry_valid(ESEG, EJ, idx, live, seg_u, pos_u, ratio):
-    """Entries `idx` (where `live`) visible to a query of document seg_u at position pos_u."""
+    """Entries `idx` [BN] (where `live`) visible to a query of document seg_u at position pos_u (scalars)."""
     es = tl.load(ESEG + idx, mask=live, other=-2)
     ej = tl.load(EJ + idx, mask=live, other=0)
     return live & (es == seg_u) & (es >= 0) & (ej < (pos_u + 1) // ratio)
 
 
-@triton.autotune(**_FWD_CONFIGS, key=["H", "BD", "MODE"])
+@triton.jit
+def _entry_valid_rows(ESEG, EJ, idx, live, seg_u, pos_u, ratio):
+    """[rows, entries]: entries `idx` [BN] (where `live`) visible to each row's query (seg_u / pos_u [BH])."""
+    es = tl.load(ESEG + idx, mask=live, other=-2)
+    ej = tl.load(EJ + idx, mask=live, other=0)
+    return (live & (es >= 0))[None, :] & (es[None, :] == seg_u[:, None]) & \
+        (ej[None, :] < ((pos_u + 1) // ratio)[:, None])
+
+
+@triton.autotune(**_FWD_CONFIGS, key=["H", "BD", "MODE", "HB"])
 @triton.jit
 def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EHI,
                      sq_s, sq_h, skv_s, sc_s, si_s, so_s, so_h, sl_s,
-                     H, NSEL, window, ratio, qk_scale, q_off,
-                     C: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
-                     BN: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+                     TQ, H, NSEL, window, ratio, qk_scale, q_off,
+                     C: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr,
+                     BH: tl.constexpr, BN: tl.constexpr):
+    QB = BH // HB                                              # queries per program (constexpr)
+    t0 = tl.program_id(0).to(tl.int64) * QB
+    rows = tl.arange(0, BH)
+    qi = rows // HB                                             # [BH] each row's query (t0 + qi) and head
+    tq = t0 + qi
+    offs_h = tl.program_id(1) * HB + rows % HB
+    rmask = (offs_h < H) & (tq < TQ)
     offs_d = tl.arange(0, BD)
-    hmask = offs_h < H
     dmask = offs_d < C
-    u = t + q_off
-    seg_u = tl.load(SEG + u)
-    pos_u = tl.load(POS + u)
-    q = tl.load(Q + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :],
-                mask=hmask[:, None] & dmask[None, :], other=0.0)
-    m_i = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+    u = tq + q_off                                              # [BH] key row of each row's query
+    seg_u = tl.load(SEG + u, mask=rmask, other=-3)              # -3: no key or entry matches an empty row
+    pos_u = tl.load(POS + u, mask=rmask, other=0)
+    q = tl.load(Q + tq[:, None] * sq_s + offs_h[:, None] * sq_h + offs_d[None, :],
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    m_i = tl.load(SINK + offs_h, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
     l_i = tl.full([BH], 1.0, tl.float32)                        # the sink's exp(z - m) = 1
     acc = tl.zeros([BH, BD], tl.float32)
-    lo = tl.maximum(u - window + 1, 0)
-    for start in range(lo, u + 1, BN):                          # window keys u-window < s <= u
+    u_hi = tl.minimum(t0 + QB, TQ) - 1 + q_off                  # the last query's key row
+    lo = tl.maximum(t0 + q_off - window + 1, 0)
+    for start in range(lo, u_hi + 1, BN):                       # window keys u-window < s <= u of every query
         offs_n = start + tl.arange(0, BN)
-        inrow = offs_n <= u                                     # lo >= 0: an address mask only
-        valid = _window_valid(SEG, POS, offs_n, u, seg_u, pos_u, window)
-        k = tl.load(KV + offs_n[:, None] * skv_s + offs_d[None, :], mask=inrow[:, None] & dmask[None, :], other=0.0)
+        valid = _window_valid(SEG, POS, offs_n, u_hi, u, seg_u, pos_u, window)
+        k = tl.load(KV + offs_n[:, None] * skv_s + offs_d[None, :], mask=(offs_n <= u_hi)[:, None] & dmask[None, :],
+                    other=0.0)
         m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
-    if MODE == 1:                                               # CSA: gathered top-k entries
-        for start in range(0, NSEL, BN):
-            offs_n = start + tl.arange(0, BN)
-            idx = tl.load(IDX + t * si_s + offs_n, mask=offs_n < NSEL, other=-1)
-            valid = _entry_valid(ESEG, EJ, idx, idx >= 0, seg_u, pos_u, ratio)
-            k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=(idx >= 0)[:, None] & dmask[None, :], other=0.0)
-            m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
-    if MODE == 2:                                               # HCA: every visible entry, one slot range
-        e_lo = tl.load(ELO + t)
-        e_hi = tl.load(EHI + t)
+    if MODE == 1:                                               # CSA: gathered top-k entries, one query at a time
+        for j in tl.static_range(QB):
+            tj = t0 + j
+            n_j = NSEL * (tj < TQ).to(tl.int32)                 # no picks past the last query
+            for start in range(0, n_j, BN):
+                offs_n = start + tl.arange(0, BN)
+                idx = tl.load(IDX + tj * si_s + offs_n, mask=offs_n < n_j, other=-1)
+                valid = _entry_valid_rows(ESEG, EJ, idx, idx >= 0, seg_u, pos_u, ratio) & (qi == j)[:, None]
+                k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=(idx >= 0)[:, None] & dmask[None, :],
+                            other=0.0)
+                m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
+    if MODE == 2:                                               # HCA: every visible entry, the union of the ranges
+        e_lo = tl.min(tl.load(ELO + tq, mask=rmask, other=2147483647), 0)
+        e_hi = tl.max(tl.load(EHI + tq, mask=rmask, other=0), 0)
         for start in range(e_lo, e_hi, BN):
             offs_n = start + tl.arange(0, BN)
-            valid = _entry_valid(ESEG, EJ, offs_n, offs_n < e_hi, seg_u, pos_u, ratio)
+            valid = _entry_valid_rows(ESEG, EJ, offs_n, offs_n < e_hi, seg_u, pos_u, ratio)
             k = tl.load(COMP + offs_n[:, None] * sc_s + offs_d[None, :], mask=(offs_n < e_hi)[:, None] & dmask[None, :],
                         other=0.0)
             m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
     o = acc / l_i[:, None]
-    tl.store(O + t * so_s + offs_h[:, None] * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
-             mask=hmask[:, None] & dmask[None, :])
-    tl.store(LSE + t * sl_s + offs_h, m_i + tl.log2(l_i), mask=hmask)
+    tl.store(O + tq[:, None] * so_s + offs_h[:, None] * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
+             mask=rmask[:, None] & dmask[None, :])
+    tl.store(LSE + tq * sl_s + offs_h, m_i + tl.log2(l_i), mask=rmask)
 
 
 # ---------------------------------------------------------------------------------------------- backward
 @triton.jit
 def _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC: tl.constexpr, DKT: tl.constexpr):
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale              # [BH, BN]
-    p = tl.where(valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
+    p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)                      # valid [BH, BN]
     dp = tl.dot(do, tl.trans(k), input_precision=PREC)                       # dO Vᵀ, V = K
     ds = p * (dp - delta[:, None]) * scale
     dq = dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)
@@ -149,7 +183,9 @@ def _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC: tl.constex
 
 @triton.jit
 def _dk_add(DK, rows, s_row, offs_d, valid, dmask, dk, DKT: tl.constexpr):
-    """Atomic fp32 add of a key tile's dKV (rows = key indices) in either orientation."""
+    """Atomic fp32 add of a key tile's dKV (rows = key indices) in either orientation, for the keys that some row
+    of the program sees (valid [BH, BN])."""
+    valid = tl.max(valid.to(tl.int32), 0) > 0                                 # [BN]
     if DKT:
         tl.atomic_add(DK + rows[None, :] * s_row + offs_d[:, None], dk,
                       mask=valid[None, :] & dmask[:, None], sem="relaxed")
@@ -158,64 +194,76 @@ def _dk_add(DK, rows, s_row, offs_d, valid, dmask, dk, DKT: tl.constexpr):
                       mask=valid[:, None] & dmask[None, :], sem="relaxed")
 
 
-@triton.autotune(**_BWD_CONFIGS, key=["H", "BD", "MODE"], reset_to_zero=["DKV", "DCOMP"])
+@triton.autotune(**_BWD_CONFIGS, key=["H", "BD", "MODE", "HB"], reset_to_zero=["DKV", "DCOMP"])
 @triton.jit
 def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, POS, ESEG, EJ, ELO, EHI,
                      sq_s, sq_h, skv_s, sc_s, si_s, so_s, so_h, sl_s,
-                     H, NSEL, window, ratio, qk_scale, scale, q_off,
-                     C: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
-                     BN: tl.constexpr, DKT: tl.constexpr):
-    # Q/DQ/O/DO share strides (sq_*, so_*: q and dq; o and do), KV/DKV share skv_*, COMP/DCOMP share sc_*
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+                     TQ, H, NSEL, window, ratio, qk_scale, scale, q_off,
+                     C: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr,
+                     BH: tl.constexpr, BN: tl.constexpr, DKT: tl.constexpr):
+    # Q/DQ/O/DO share strides (sq_*, so_*: q and dq; o and do), KV/DKV share skv_*, COMP/DCOMP share sc_*.
+    # Rows as in the forward: row r = query t0 + r // HB, head r % HB of the program's head block.
+    QB = BH // HB
+    t0 = tl.program_id(0).to(tl.int64) * QB
+    rows = tl.arange(0, BH)
+    qi = rows // HB
+    tq = t0 + qi
+    offs_h = tl.program_id(1) * HB + rows % HB
+    rmask = (offs_h < H) & (tq < TQ)
     offs_d = tl.arange(0, BD)
-    hmask = offs_h < H
     dmask = offs_d < C
-    hd = hmask[:, None] & dmask[None, :]
-    u = t + q_off
-    seg_u = tl.load(SEG + u)
-    pos_u = tl.load(POS + u)
-    q = tl.load(Q + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :], mask=hd, other=0.0)
-    o_off = t * so_s + offs_h[:, None] * so_h + offs_d[None, :]
+    hd = rmask[:, None] & dmask[None, :]
+    u = tq + q_off
+    seg_u = tl.load(SEG + u, mask=rmask, other=-3)
+    pos_u = tl.load(POS + u, mask=rmask, other=0)
+    q_off2 = tq[:, None] * sq_s + offs_h[:, None] * sq_h + offs_d[None, :]
+    q = tl.load(Q + q_off2, mask=hd, other=0.0)
+    o_off = tq[:, None] * so_s + offs_h[:, None] * so_h + offs_d[None, :]
     do = tl.load(DO + o_off, mask=hd, other=0.0)
     o = tl.load(O + o_off, mask=hd, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)     # [BH] rowsum(dO ∘ O)
-    lse = tl.load(LSE + t * sl_s + offs_h, mask=hmask, other=0.0)
-    tl.store(DELTA + t * sl_s + offs_h, delta, mask=hmask)
+    lse = tl.load(LSE + tq * sl_s + offs_h, mask=rmask, other=0.0)
+    tl.store(DELTA + tq * sl_s + offs_h, delta, mask=rmask)
     dq = tl.zeros([BH, BD], tl.float32)
-    lo = tl.maximum(u - window + 1, 0)
-    for start in range(lo, u + 1, BN):
+    u_hi = tl.minimum(t0 + QB, TQ) - 1 + q_off
+    lo = tl.maximum(t0 + q_off - window + 1, 0)
+    for start in range(lo, u_hi + 1, BN):
         offs_n = start + tl.arange(0, BN)
-        inrow = offs_n <= u                                     # lo >= 0: an address mask only
-        valid = _window_valid(SEG, POS, offs_n, u, seg_u, pos_u, window)
-        k = tl.load(KV + offs_n[:, None] * skv_s + offs_d[None, :], mask=inrow[:, None] & dmask[None, :], other=0.0)
+        valid = _window_valid(SEG, POS, offs_n, u_hi, u, seg_u, pos_u, window)
+        k = tl.load(KV + offs_n[:, None] * skv_s + offs_d[None, :], mask=(offs_n <= u_hi)[:, None] & dmask[None, :],
+                    other=0.0)
         dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
         _dk_add(DKV, offs_n, skv_s, offs_d, valid, dmask, dk, DKT)
     if MODE == 1:
-        for start in range(0, NSEL, BN):
-            offs_n = start + tl.arange(0, BN)
-            idx = tl.load(IDX + t * si_s + offs_n, mask=offs_n < NSEL, other=-1)
-            valid = _entry_valid(ESEG, EJ, idx, idx >= 0, seg_u, pos_u, ratio)
-            k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=(idx >= 0)[:, None] & dmask[None, :], other=0.0)
-            dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
-            _dk_add(DCOMP, idx, sc_s, offs_d, valid, dmask, dk, DKT)
+        for j in tl.static_range(QB):
+            tj = t0 + j
+            n_j = NSEL * (tj < TQ).to(tl.int32)                 # no picks past the last query
+            for start in range(0, n_j, BN):
+                offs_n = start + tl.arange(0, BN)
+                idx = tl.load(IDX + tj * si_s + offs_n, mask=offs_n < n_j, other=-1)
+                valid = _entry_valid_rows(ESEG, EJ, idx, idx >= 0, seg_u, pos_u, ratio) & (qi == j)[:, None]
+                k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=(idx >= 0)[:, None] & dmask[None, :],
+                            other=0.0)
+                dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
+                _dk_add(DCOMP, idx, sc_s, offs_d, valid, dmask, dk, DKT)
     if MODE == 2:
-        e_lo = tl.load(ELO + t)
-        e_hi = tl.load(EHI + t)
+        e_lo = tl.min(tl.load(ELO + tq, mask=rmask, other=2147483647), 0)
+        e_hi = tl.max(tl.load(EHI + tq, mask=rmask, other=0), 0)
         for start in range(e_lo, e_hi, BN):
             offs_n = start + tl.arange(0, BN)
-            valid = _entry_valid(ESEG, EJ, offs_n, offs_n < e_hi, seg_u, pos_u, ratio)
+            valid = _entry_valid_rows(ESEG, EJ, offs_n, offs_n < e_hi, seg_u, pos_u, ratio)
             k = tl.load(COMP + offs_n[:, None] * sc_s + offs_d[None, :], mask=(offs_n < e_hi)[:, None] & dmask[None, :],
                         other=0.0)
             dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
             _dk_add(DCOMP, offs_n, sc_s, offs_d, valid, dmask, dk, DKT)
-    tl.store(DQ + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=hd)
+    tl.store(DQ + q_off2, dq.to(DQ.dtype.element_ty), mask=hd)
 
 
 # -------------------------------------------------------------------------------- listed-entry probabilities
-_PROB_CONFIGS = configs(
+_PROB_CONFIGS = configs(   # BH=16: H = 16 (`proxy`) without empty rows
     gpu=[dict(BH=64, BN=64, num_warps=8, num_stages=2), dict(BH=64, BN=32, num_warps=4, num_stages=2),
-         dict(BH=32, BN=64, num_warps=4, num_stages=2)],
+         dict(BH=32, BN=64, num_warps=4, num_stages=2), dict(BH=16, BN=64, num_warps=4, num_stages=2),
+         dict(BH=16, BN=128, num_warps=4, num_stages=2)],
     cpu=dict(BH=16, BN=16, num_warps=4, num_stages=1))
 
 
@@ -305,12 +353,13 @@ class _SparseAttn(torch.autograd.Function):
             q, kv, comp, comp_idx, ratio, seg, pos, entry_seg, entry_j, q_off)
         o = torch.empty_like(q)
         lse = torch.empty(Tq, H, device=q.device, dtype=torch.float32)
-        grid = lambda meta: (Tq, triton.cdiv(H, meta["BH"]))
+        hb, qb = _rows(q, H, _FWD_BH)
+        grid = (triton.cdiv(Tq, qb), triton.cdiv(H, hb))
         _sparse_attn_fwd[grid](
             q, kv, comp_t, idx_t, sink.contiguous(), o, lse, seg, pos, eseg, ej, elo, ehi,
             q.stride(0), q.stride(1), kv.stride(0), comp_t.stride(0), idx_t.stride(0), o.stride(0), o.stride(1),
-            lse.stride(0), H, nsel, int(window), ratio, float(scale) * LOG2E, int(q_off),
-            C=C, MODE=mode, PREC=_prec(q), BD=pow2(C))
+            lse.stride(0), Tq, H, nsel, int(window), ratio, float(scale) * LOG2E, int(q_off),
+            C=C, MODE=mode, PREC=_prec(q), BD=pow2(C), HB=hb)
         ctx.save_for_backward(q, kv, comp_t, idx_t, sink, o, lse, seg, pos, eseg, ej, elo, ehi)
         ctx.cfg = (mode, nsel, int(window), ratio, float(scale), int(q_off))
         ctx.comp_none = comp is None
@@ -327,12 +376,13 @@ class _SparseAttn(torch.autograd.Function):
         has_comp = mode != MODE_NONE
         dcomp = torch.zeros(comp_t.shape, device=q.device, dtype=torch.float32) if has_comp else dkv
         delta = torch.empty_like(lse)
-        grid = lambda meta: (Tq, triton.cdiv(H, meta["BH"]))
+        hb, qb = _rows(q, H, _BWD_BH)
+        grid = (triton.cdiv(Tq, qb), triton.cdiv(H, hb))
         _sparse_attn_bwd[grid](
             q, kv, comp_t, idx_t, o, do, lse, dq, dkv, dcomp, delta, seg, pos, eseg, ej, elo, ehi,
             q.stride(0), q.stride(1), kv.stride(0), comp_t.stride(0), idx_t.stride(0), o.stride(0), o.stride(1),
-            lse.stride(0), H, nsel, window, ratio, scale * LOG2E, scale, q_off,
-            C=C, MODE=mode, PREC=_prec(q), BD=pow2(C))
+            lse.stride(0), Tq, H, nsel, window, ratio, scale * LOG2E, scale, q_off,
+            C=C, MODE=mode, PREC=_prec(q), BD=pow2(C), HB=hb)
         # d sink_h = -Σ_t p_sink(t,h) · delta(t,h),  p_sink = exp(z_h - lse)   (lse in log2 units)
         p_sink = torch.exp2(sink.float() * LOG2E - lse)
         dsink = -(p_sink * delta).sum(0).to(sink.dtype)
