@@ -113,8 +113,7 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EH
                      TQ, H, NSEL, window, ratio, qk_scale, q_off,
                      C: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr,
                      BH: tl.constexpr, BN: tl.constexpr):
-    QB = BH // HB                                              # queries per program (constexpr)
-    t0 = tl.program_id(0).to(tl.int64) * QB
+    t0 = tl.program_id(0).to(tl.int64) * (BH // HB)            # BH // HB = QB queries per program (constexpr)
     rows = tl.arange(0, BH)
     qi = rows // HB                                             # [BH] each row's query (t0 + qi) and head
     tq = t0 + qi
@@ -130,7 +129,7 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EH
     m_i = tl.load(SINK + offs_h, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
     l_i = tl.full([BH], 1.0, tl.float32)                        # the sink's exp(z - m) = 1
     acc = tl.zeros([BH, BD], tl.float32)
-    u_hi = tl.minimum(t0 + QB, TQ) - 1 + q_off                  # the last query's key row
+    u_hi = tl.minimum(t0 + BH // HB, TQ) - 1 + q_off                  # the last query's key row
     lo = tl.maximum(t0 + q_off - window + 1, 0)
     for start in range(lo, u_hi + 1, BN):                       # window keys u-window < s <= u of every query
         offs_n = start + tl.arange(0, BN)
@@ -139,7 +138,7 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EH
                     other=0.0)
         m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
     if MODE == 1:                                               # CSA: gathered top-k entries, one query at a time
-        for j in tl.static_range(QB):
+        for j in tl.static_range(BH // HB):
             tj = t0 + j
             n_j = NSEL * (tj < TQ).to(tl.int32)                 # no picks past the last query
             for start in range(0, n_j, BN):
@@ -203,8 +202,7 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, P
                      BH: tl.constexpr, BN: tl.constexpr, DKT: tl.constexpr):
     # Q/DQ/O/DO share strides (sq_*, so_*: q and dq; o and do), KV/DKV share skv_*, COMP/DCOMP share sc_*.
     # Rows as in the forward: row r = query t0 + r // HB, head r % HB of the program's head block.
-    QB = BH // HB
-    t0 = tl.program_id(0).to(tl.int64) * QB
+    t0 = tl.program_id(0).to(tl.int64) * (BH // HB)
     rows = tl.arange(0, BH)
     qi = rows // HB
     tq = t0 + qi
@@ -225,7 +223,7 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, P
     lse = tl.load(LSE + tq * sl_s + offs_h, mask=rmask, other=0.0)
     tl.store(DELTA + tq * sl_s + offs_h, delta, mask=rmask)
     dq = tl.zeros([BH, BD], tl.float32)
-    u_hi = tl.minimum(t0 + QB, TQ) - 1 + q_off
+    u_hi = tl.minimum(t0 + BH // HB, TQ) - 1 + q_off
     lo = tl.maximum(t0 + q_off - window + 1, 0)
     for start in range(lo, u_hi + 1, BN):
         offs_n = start + tl.arange(0, BN)
@@ -235,7 +233,7 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, P
         dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
         _dk_add(DKV, offs_n, skv_s, offs_d, valid, dmask, dk, DKT)
     if MODE == 1:
-        for j in tl.static_range(QB):
+        for j in tl.static_range(BH // HB):
             tj = t0 + j
             n_j = NSEL * (tj < TQ).to(tl.int32)                 # no picks past the last query
             for start in range(0, n_j, BN):
