@@ -9,7 +9,8 @@
 #   SMOKE=1 ... : the same steps on a CPU at debug sizes (checks the script, measures nothing)
 # `train` (one call): side by side on the one GPU (host-bound steps overlap; their losses are compared, their step
 # times are contended and not speed results):
-#   curve_<p>/        `dsv4 train --recipe proxy --steps 300 --precision p`, p = bf16 | fp8_block | fp4_qat (X1, D9)
+#   curve_<p>/        `dsv4 train --recipe proxy --steps 300 --precision p`, p = bf16 | fp8_block | fp4_qat (X1, D9;
+#                     PRECS= a subset, e.g. PRECS=bf16 for the bf16 curve alone)
 #   curve_bf16_cg/    CG=1: `dsv4 train --recipe proxy --steps 100 --precision bf16 --cuda-graphs` (CGN steps)
 #   train64k/         `dsv4 train --recipe long-proxy --curriculum proxy-64k` (2 dense warm-up + 4 sparse steps of 64K
 #                     tokens, recompute; issue 18)
@@ -64,7 +65,7 @@ left() { local l=$(( DL - ($(date +%s) - T0) - 10 )); [ "$1" -lt "$l" ] && l=$1;
 for WHAT in $WHATS; do
 if [ "$WHAT" = train ]; then
   # A: side by side on the one GPU (host-bound 4K steps overlap); B: the HF peers at 4K
-  for p in bf16 fp8_block fp4_qat; do
+  for p in ${PRECS:-bf16 fp8_block fp4_qat}; do
     run "curve_$p" $(left ${TA:-330}) "$D train --recipe $R --steps $N --precision $p $E --out $SHIM/run_curve_$p --no-final-checkpoint --json" &
   done
   # CG=1: a 100-step bf16 curve through CUDA graphs (`--cuda-graphs`): the stored 100-step proxy_curve's schedule

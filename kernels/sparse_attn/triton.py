@@ -79,14 +79,44 @@ def _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
 
 
 @triton.jit
-def _window_valid(SEG, POS, offs_n, hi, u, seg_u, pos_u, window):
-    """[rows, keys]: the window keys of each row's key row u [BH]: rows <= u of u's document within `window`
-    positions (keys offs_n [BN] <= hi, the tile's address range)."""
+def _window_valid(SEG, POS, offs_n, u, seg_u, pos_u, window):
+    """Window keys of key row u (scalars): rows <= u of u's document within `window` positions."""
+    inb = (offs_n <= u) & (offs_n >= 0)
+    sk = tl.load(SEG + offs_n, mask=inb, other=-2)
+    pk = tl.load(POS + offs_n, mask=inb, other=0)
+    return inb & (sk == seg_u) & (sk >= 0) & (pk <= pos_u) & (pk > pos_u - window)
+
+
+@triton.jit
+def _window_valid_rows(SEG, POS, offs_n, hi, u, seg_u, pos_u, window):
+    """[rows, keys]: the window keys of each row's key row u [BH] (keys offs_n [BN] <= hi, the tile's range)."""
     inb = (offs_n <= hi) & (offs_n >= 0)
     sk = tl.load(SEG + offs_n, mask=inb, other=-2)
     pk = tl.load(POS + offs_n, mask=inb, other=0)
     return (inb & (sk >= 0))[None, :] & (offs_n[None, :] <= u[:, None]) & (sk[None, :] == seg_u[:, None]) & \
         (pk[None, :] <= pos_u[:, None]) & (pk[None, :] > pos_u[:, None] - window)
+
+
+@triton.jit
+def _window_mask(SEG, POS, offs_n, hi, u, seg_u, pos_u, u0, seg0, pos0, window, ONE: tl.constexpr):
+    """The logits mask of a window tile: [1, BN] from the one query's scalars (u0 / seg0 / pos0) when the program
+    is one query (ONE), else [BH, BN] per row. The per-key form keeps the 2-D integer compares out of the H >= BH
+    (DSv4) kernel: with them its forward was 1.3-1.4x slower on the H200."""
+    if ONE:
+        valid = _window_valid(SEG, POS, offs_n, u0, seg0, pos0, window)[None, :]
+    else:
+        valid = _window_valid_rows(SEG, POS, offs_n, hi, u, seg_u, pos_u, window)
+    return valid
+
+
+@triton.jit
+def _entry_mask(ESEG, EJ, idx, live, seg_u, pos_u, seg0, pos0, ratio, ONE: tl.constexpr):
+    """The logits mask of an entry tile, as `_window_mask`."""
+    if ONE:
+        valid = _entry_valid(ESEG, EJ, idx, live, seg0, pos0, ratio)[None, :]
+    else:
+        valid = _entry_valid_rows(ESEG, EJ, idx, live, seg_u, pos_u, ratio)
+    return valid
 
 
 @triton.jit
@@ -124,6 +154,9 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EH
     u = tq + q_off                                              # [BH] key row of each row's query
     seg_u = tl.load(SEG + u, mask=rmask, other=-3)              # -3: no key or entry matches an empty row
     pos_u = tl.load(POS + u, mask=rmask, other=0)
+    u0 = t0 + q_off                                             # the first query's (the only one when BH == HB)
+    seg0 = tl.load(SEG + u0)
+    pos0 = tl.load(POS + u0)
     q = tl.load(Q + tq[:, None] * sq_s + offs_h[:, None] * sq_h + offs_d[None, :],
                 mask=rmask[:, None] & dmask[None, :], other=0.0)
     m_i = tl.load(SINK + offs_h, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -133,27 +166,36 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EH
     lo = tl.maximum(t0 + q_off - window + 1, 0)
     for start in range(lo, u_hi + 1, BN):                       # window keys u-window < s <= u of every query
         offs_n = start + tl.arange(0, BN)
-        valid = _window_valid(SEG, POS, offs_n, u_hi, u, seg_u, pos_u, window)
+        valid = _window_mask(SEG, POS, offs_n, u_hi, u, seg_u, pos_u, u0, seg0, pos0, window, BH == HB)
         k = tl.load(KV + offs_n[:, None] * skv_s + offs_d[None, :], mask=(offs_n <= u_hi)[:, None] & dmask[None, :],
                     other=0.0)
         m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
     if MODE == 1:                                               # CSA: gathered top-k entries, one query at a time
-        for j in tl.static_range(BH // HB):
+        for j in range(0, BH // HB):                    # a loop: unrolled, it spilled 3x more
             tj = t0 + j
             n_j = NSEL * (tj < TQ).to(tl.int32)                 # no picks past the last query
-            for start in range(0, n_j, BN):
-                offs_n = start + tl.arange(0, BN)
+            uj = tl.minimum(tj, TQ - 1) + q_off
+            seg_j = tl.load(SEG + uj)
+            pos_j = tl.load(POS + uj)
+            for s0 in range(0, n_j, BN):
+                offs_n = s0 + tl.arange(0, BN)
                 idx = tl.load(IDX + tj * si_s + offs_n, mask=offs_n < n_j, other=-1)
-                valid = _entry_valid_rows(ESEG, EJ, idx, idx >= 0, seg_u, pos_u, ratio) & (qi == j)[:, None]
+                valid = _entry_valid(ESEG, EJ, idx, idx >= 0, seg_j, pos_j, ratio)[None, :]   # query j's picks
+                if BH != HB:                                    # several queries: query j's rows only
+                    valid = valid & (qi == j)[:, None]
                 k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=(idx >= 0)[:, None] & dmask[None, :],
                             other=0.0)
                 m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
     if MODE == 2:                                               # HCA: every visible entry, the union of the ranges
-        e_lo = tl.min(tl.load(ELO + tq, mask=rmask, other=2147483647), 0)
-        e_hi = tl.max(tl.load(EHI + tq, mask=rmask, other=0), 0)
+        if BH == HB:
+            e_lo = tl.load(ELO + t0)
+            e_hi = tl.load(EHI + t0)
+        else:
+            e_lo = tl.min(tl.load(ELO + tq, mask=rmask, other=2147483647), 0)
+            e_hi = tl.max(tl.load(EHI + tq, mask=rmask, other=0), 0)
         for start in range(e_lo, e_hi, BN):
             offs_n = start + tl.arange(0, BN)
-            valid = _entry_valid_rows(ESEG, EJ, offs_n, offs_n < e_hi, seg_u, pos_u, ratio)
+            valid = _entry_mask(ESEG, EJ, offs_n, offs_n < e_hi, seg_u, pos_u, seg0, pos0, ratio, BH == HB)
             k = tl.load(COMP + offs_n[:, None] * sc_s + offs_d[None, :], mask=(offs_n < e_hi)[:, None] & dmask[None, :],
                         other=0.0)
             m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
@@ -183,7 +225,7 @@ def _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC: tl.constex
 @triton.jit
 def _dk_add(DK, rows, s_row, offs_d, valid, dmask, dk, DKT: tl.constexpr):
     """Atomic fp32 add of a key tile's dKV (rows = key indices) in either orientation, for the keys that some row
-    of the program sees (valid [BH, BN])."""
+    of the program sees (valid [BH, BN] or [1, BN])."""
     valid = tl.max(valid.to(tl.int32), 0) > 0                                 # [BN]
     if DKT:
         tl.atomic_add(DK + rows[None, :] * s_row + offs_d[:, None], dk,
@@ -214,6 +256,9 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, P
     u = tq + q_off
     seg_u = tl.load(SEG + u, mask=rmask, other=-3)
     pos_u = tl.load(POS + u, mask=rmask, other=0)
+    u0 = t0 + q_off
+    seg0 = tl.load(SEG + u0)
+    pos0 = tl.load(POS + u0)
     q_off2 = tq[:, None] * sq_s + offs_h[:, None] * sq_h + offs_d[None, :]
     q = tl.load(Q + q_off2, mask=hd, other=0.0)
     o_off = tq[:, None] * so_s + offs_h[:, None] * so_h + offs_d[None, :]
@@ -227,29 +272,38 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, P
     lo = tl.maximum(t0 + q_off - window + 1, 0)
     for start in range(lo, u_hi + 1, BN):
         offs_n = start + tl.arange(0, BN)
-        valid = _window_valid(SEG, POS, offs_n, u_hi, u, seg_u, pos_u, window)
+        valid = _window_mask(SEG, POS, offs_n, u_hi, u, seg_u, pos_u, u0, seg0, pos0, window, BH == HB)
         k = tl.load(KV + offs_n[:, None] * skv_s + offs_d[None, :], mask=(offs_n <= u_hi)[:, None] & dmask[None, :],
                     other=0.0)
         dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
         _dk_add(DKV, offs_n, skv_s, offs_d, valid, dmask, dk, DKT)
     if MODE == 1:
-        for j in tl.static_range(BH // HB):
+        for j in tl.static_range(BH // HB):             # unrolled: as a loop it spilled 3x more
             tj = t0 + j
             n_j = NSEL * (tj < TQ).to(tl.int32)                 # no picks past the last query
-            for start in range(0, n_j, BN):
-                offs_n = start + tl.arange(0, BN)
+            uj = tl.minimum(tj, TQ - 1) + q_off
+            seg_j = tl.load(SEG + uj)
+            pos_j = tl.load(POS + uj)
+            for s0 in range(0, n_j, BN):
+                offs_n = s0 + tl.arange(0, BN)
                 idx = tl.load(IDX + tj * si_s + offs_n, mask=offs_n < n_j, other=-1)
-                valid = _entry_valid_rows(ESEG, EJ, idx, idx >= 0, seg_u, pos_u, ratio) & (qi == j)[:, None]
+                valid = _entry_valid(ESEG, EJ, idx, idx >= 0, seg_j, pos_j, ratio)[None, :]   # query j's picks
+                if BH != HB:                                    # several queries: query j's rows only
+                    valid = valid & (qi == j)[:, None]
                 k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=(idx >= 0)[:, None] & dmask[None, :],
                             other=0.0)
                 dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
                 _dk_add(DCOMP, idx, sc_s, offs_d, valid, dmask, dk, DKT)
     if MODE == 2:
-        e_lo = tl.min(tl.load(ELO + tq, mask=rmask, other=2147483647), 0)
-        e_hi = tl.max(tl.load(EHI + tq, mask=rmask, other=0), 0)
+        if BH == HB:
+            e_lo = tl.load(ELO + t0)
+            e_hi = tl.load(EHI + t0)
+        else:
+            e_lo = tl.min(tl.load(ELO + tq, mask=rmask, other=2147483647), 0)
+            e_hi = tl.max(tl.load(EHI + tq, mask=rmask, other=0), 0)
         for start in range(e_lo, e_hi, BN):
             offs_n = start + tl.arange(0, BN)
-            valid = _entry_valid_rows(ESEG, EJ, offs_n, offs_n < e_hi, seg_u, pos_u, ratio)
+            valid = _entry_mask(ESEG, EJ, offs_n, offs_n < e_hi, seg_u, pos_u, seg0, pos0, ratio, BH == HB)
             k = tl.load(COMP + offs_n[:, None] * sc_s + offs_d[None, :], mask=(offs_n < e_hi)[:, None] & dmask[None, :],
                         other=0.0)
             dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
