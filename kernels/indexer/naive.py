@@ -56,8 +56,8 @@ def indexer_scores(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: i
 def indexer_scores_listed(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """The scores of `indexer_scores` at the listed entries only (the sparse-mode indexer loss needs no others):
     qI [Tq,nI,cI], kI [N,cI], w [Tq,nI], idx [Tq,k] (visible picks, -1 = none) -> I [Tq,k] fp32 (fp64 stays;
-    -inf at -1). Differentiable; memory [Tq,k,cI] (the reference; the "triton" backend computes it in query
-    chunks and recomputes them in backward)."""
+    -inf at -1). Differentiable; memory [Tq,k,cI] (the reference; the "triton" backend gathers the picked rows
+    inside its kernels and recomputes the scores in backward)."""
     nI, cI = qI.shape[-2:]
     dt = torch.promote_types(qI.dtype, torch.float32)
     dots = torch.einsum("thc,tkc->thk", qI.to(dt), kI[clamp_rows(idx)].to(dt))      # [Tq, nI, k]

@@ -69,34 +69,13 @@ def indexer_scores(qI: Tensor, kI: Tensor, w: Tensor, ratio: int, seg_q: Tensor,
 
 
 # ------------------------------------------------------------------ scores at the listed entries (sparse-mode loss)
-# Plain PyTorch in query chunks (bf16 products on the tensor cores, fp32 ReLU-weighted sums), recomputed in
-# backward, registered as custom ops so the compiler sees one node and no [Tq,k,cI] gather is ever kept:
-#   dots[t,k,h] = kI[idx[t,k]] . qI[t,h];  I[t,k] = s * sum_h w[t,h] ReLU(dots[t,k,h]),  s = (nI cI)^-1/2
-#   dw[t,h] = s * sum_k dI[t,k] ReLU(dots);  dd = dI[t,k] s w[t,h] 1[dots > 0]
-#   dqI[t,h] = sum_k dd[t,k,h] kI[idx[t,k]];  dkI[idx[t,k]] += sum_h dd[t,k,h] qI[t,h]
-#   dkI: when N·nI <= _DENSE_DK·k, as GEMMs dkI += S[c·h, N]ᵀ · qI[c·h, cI] with S the chunk's dd scattered into dense
-#   rows over the entries (triton.scatter_picks: plain stores) -- tensor-core work 2·N·nI·cI per query instead of
-#   k·cI fp32 atomic adds (index_add_: 20 ms of a 16K-token proxy step on the H200, 69 launches); otherwise (many
-#   entries per pick) the index_add_ below.
-_CHUNK = 512                    # queries per chunk: [512, k=512, cI=128] bf16 = 64 MiB gathered at a time
-_SPILL_ROWS = 4096              # dk rows that absorb the -1 picks' zero adds (spread: no long serial queue)
-_DENSE_DK = 1024                # GEMM dkI while N·nI <= _DENSE_DK·k (the GEMM's extra FLOPs beat the atomics)
-_DENSE_DK_BYTES = 1 << 26       # at most 64 MiB of dense S at a time (sub-chunks of queries)
-
-
-def _dots(qI, kI, idx):
-    K = kI[torch.where(idx >= 0, idx, 0)]                                       # [C, k, cI]
-    return K, torch.bmm(K, qI.transpose(1, 2).to(K.dtype)).float()              # [C, k, nI] fp32
+# The Triton kernels of `triton.listed_scores` / `listed_scores_bwd` (the math is written there), recomputed in
+# backward, registered as custom ops so the compiler sees one node. They replace a chunked PyTorch version whose
+# [512, k, cI] gathers of kI were 34 of a 4K CUDA-graph step's launches (5.1 of its 69 ms of kernels, H200).
 
 
 def _indexer_scores_listed_fwd(qI: Tensor, kI: Tensor, w: Tensor, idx: Tensor) -> Tensor:
-    nI, cI = qI.shape[-2:]
-    out = torch.empty(idx.shape, device=qI.device, dtype=torch.float32)
-    for a in range(0, idx.shape[0], _CHUNK):
-        e = min(a + _CHUNK, idx.shape[0])
-        _, d = _dots(qI[a:e], kI, idx[a:e])
-        out[a:e] = torch.bmm(torch.relu(d), w[a:e, :, None].float()).squeeze(-1) * (nI * cI) ** -0.5
-    return out.masked_fill_(idx < 0, float("-inf"))
+    return T.listed_scores(qI, kI, w, idx)
 
 
 indexer_scores_listed_fwd = torch.library.custom_op("dsv4::indexer_scores_listed_fwd",
@@ -110,40 +89,7 @@ def _(qI, kI, w, idx):
 
 def _indexer_scores_listed_bwd(dI: Tensor, qI: Tensor, kI: Tensor, w: Tensor,
                                idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    nI, cI = qI.shape[-2:]
-    s = (nI * cI) ** -0.5
-    dq = torch.empty(qI.shape, device=qI.device, dtype=torch.float32)
-    dw = torch.empty(w.shape, device=qI.device, dtype=torch.float32)
-    n_kv, k = kI.shape[0], idx.shape[1]
-    dense = n_kv * nI <= _DENSE_DK * k
-    spill = 0 if dense else min(_CHUNK * k, _SPILL_ROWS)
-    dk = torch.zeros((n_kv + spill, *kI.shape[1:]), device=qI.device, dtype=torch.float32)   # + spill rows
-    spill_row = n_kv + torch.arange(_CHUNK * k, device=qI.device) % max(spill, 1)              # [C*k]
-    sub = max(1, _DENSE_DK_BYTES // max(1, nI * n_kv * kI.element_size()))                    # queries per S
-    dI = torch.where(idx >= 0, dI, torch.zeros_like(dI)).float()
-    for a in range(0, idx.shape[0], _CHUNK):
-        e = min(a + _CHUNK, idx.shape[0])
-        K, d = _dots(qI[a:e], kI, idx[a:e])                                       # [C,k,cI], [C,k,nI]
-        g = dI[a:e, :, None]                                                      # [C, k, 1]
-        dw[a:e] = (g * torch.relu(d)).sum(1) * s                                  # [C, nI]
-        dd = (g * w[a:e, None, :].float() * s) * (d > 0)                          # [C, k, nI]
-        dq[a:e] = torch.bmm(dd.transpose(1, 2).to(K.dtype), K).float()           # [C, nI, cI]
-        if dense:
-            for b in range(a, e, sub):
-                c = min(b + sub, e)
-                S = T.scatter_picks(dd[b - a:c - a], idx[b:c], n_kv, K.dtype)    # [c-b, nI, N]
-                dk[:n_kv] += (S.flatten(0, 1).t() @ qI[b:c].flatten(0, 1).to(K.dtype)).float()   # [N, cI]
-            continue
-        dks = torch.bmm(dd.to(K.dtype), qI[a:e].to(K.dtype)).float()             # [C, k, cI]
-        # A -1 pick's dks is zero (dI is zeroed above); it goes to one of the `spill` rows past the end, dropped
-        # below, spread so that no row queues many adds: under torch.use_deterministic_algorithms CUDA's
-        # index_add_ is a sorted index_put_(accumulate=True) that walks repeated indices serially (all -1s once
-        # went to row 0: ~500K serial adds per CSA layer at 4K), and compacting the valid picks (nonzero) cost a
-        # host sync per chunk. The real rows get the same adds in the same order as before.
-        fi = idx[a:e].flatten()
-        fi = torch.where(fi >= 0, fi, spill_row[:fi.numel()])
-        dk.index_add_(0, fi, dks.flatten(0, 1))
-    return dq.to(qI.dtype), dk[:n_kv].to(kI.dtype), dw.to(w.dtype)
+    return T.listed_scores_bwd(dI, qI, kI, w, idx)
 
 
 indexer_scores_listed_bwd = torch.library.custom_op("dsv4::indexer_scores_listed_bwd",
@@ -169,5 +115,6 @@ _scores_listed = autograd_op(indexer_scores_listed_fwd, _indexer_scores_listed_f
 
 
 def indexer_scores_listed(qI: Tensor, kI: Tensor, w: Tensor, idx: Tensor) -> Tensor:
-    """`naive.indexer_scores_listed` in query chunks with recompute (custom op; any device)."""
+    """`naive.indexer_scores_listed` by the Triton kernels (custom op; CUDA or Triton's interpreter), the scores
+    recomputed in backward."""
     return _scores_listed(qI, kI, w, idx)

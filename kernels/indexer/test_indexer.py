@@ -105,112 +105,82 @@ def test_select_equals_topk_of_scores():
     assert torch.equal(got.cpu(), want)
 
 
-def test_listed_scores_chunked_op_matches_naive_with_gradients():
-    """The sparse-mode loss re-forms the scores at the listed entries: the chunked custom op (the "triton"
-    backend, plain PyTorch with recompute in backward) == the reference einsum, values and gradients, with -1
-    picks and repeated entries across queries; both == the dense scores gathered at the picks."""
+def _listed_case(seed, Tq=67, nI=3, cI=24, N=37, k=6, drop=0.2, dev="cpu", dt=torch.float32):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn(Tq, nI, cI, generator=g, device=dev).to(dt)
+    kI = torch.randn(N, cI, generator=g, device=dev).to(dt)
+    w = torch.randn(Tq, nI, generator=g, device=dev).to(dt)
+    idx = torch.rand(Tq, N, generator=g, device=dev).topk(k, -1).indices           # distinct picks per query
+    idx = torch.where(torch.rand(Tq, k, generator=g, device=dev) < drop, -1, idx)
+    return q, kI, w, idx, torch.randn(Tq, k, generator=g, device=dev)
+
+
+def test_listed_scores_op_matches_naive_with_gradients():
+    """The sparse-mode loss re-forms the scores at the listed entries: the Triton kernels (interpreter here) ==
+    the reference einsum, values and gradients, with -1 picks, odd sizes (nI=3, cI=24, k=6: masked heads,
+    channels and pick slots) and entries repeated across queries; both == the dense scores gathered at the picks.
+    The -1 picks' dI is nonzero here: the backward must ignore it."""
     from dsv4.kernels.indexer import indexer_scores_listed
     from dsv4.kernels.indexer import op as iop
-    g = torch.Generator().manual_seed(5)
-    Tq, nI, cI, N, k = 1100, 3, 8, 37, 6                       # > one 512-query chunk, odd sizes
-    q = torch.randn(Tq, nI, cI, generator=g, requires_grad=True)
-    kI = torch.randn(N, cI, generator=g, requires_grad=True)
-    w = torch.randn(Tq, nI, generator=g, requires_grad=True)
-    idx = torch.rand(Tq, N, generator=g).topk(k, -1).indices
-    idx = torch.where(torch.rand(Tq, k, generator=g) < 0.2, -1, idx)
-    ref = indexer_scores_listed(q, kI, w, idx, backend="naive")
-    got = iop.indexer_scores_listed(q, kI, w, idx)
+    q, kI, w, idx, dI = _listed_case(5)
+    Tq, N = q.shape[0], kI.shape[0]
+    ins = [t.clone().requires_grad_() for t in (q, kI, w)]
+    ref = indexer_scores_listed(*ins, idx, backend="naive")
+    got = iop.indexer_scores_listed(*ins, idx)
     seg = torch.zeros(Tq, dtype=torch.long)
     dense = indexer_scores(q, kI, w, 1, seg, torch.arange(Tq) + N, torch.zeros(N, dtype=torch.long), torch.arange(N))
     fin = idx >= 0
     assert torch.isneginf(ref[~fin]).all() and torch.isneginf(got[~fin]).all()
     assert_close("listed vs dense gathered", ref[fin], dense.gather(-1, idx.clamp(min=0))[fin], 1e-5, 1e-6)
     assert_close("listed op", got[fin], ref[fin], 1e-5, 1e-6)            # fp32: summation order only
-    dI = torch.randn(Tq, k, generator=g) * fin
-    want = torch.autograd.grad(ref.masked_fill(~fin, 0), (q, kI, w), dI)
-    have = torch.autograd.grad(got.masked_fill(~fin, 0), (q, kI, w), dI)
+    want = torch.autograd.grad(ref.masked_fill(~fin, 0), ins, dI * fin)
+    have = torch.autograd.grad(got, ins, dI)                                      # dI at -1 picks: ignored
     for n, a, b in zip(("dq", "dk", "dw"), have, want):
         assert_close(n, a, b, 1e-5, 1e-5)
 
 
-def test_listed_scores_backward_adds_only_valid_picks(monkeypatch):
-    """dk of the listed-scores backward: the -1 picks never reach a real row of dk (they once all went to row 0,
-    which CUDA's deterministic index_add_ -- a sorted index_put_(accumulate=True) -- walks serially: ~500K adds on
-    one row per CSA layer at 4K), and are not compacted away either (nonzero: a host sync per chunk): they go to
-    spill rows past the end, no spill row more than once per chunk here. Each valid pick reaches its
-    row exactly once, and dk equals the old formula's (all slots, -1 -> row 0 with a zero dks) bit for bit on
-    CPU: the moved adds are +0."""
-    from dsv4.kernels.indexer import op as iop
-    g = torch.Generator().manual_seed(7)
-    Tq, nI, cI, N, k = 1100, 3, 8, 37, 6                       # > one 512-query chunk
-    q, kI, w = torch.randn(Tq, nI, cI, generator=g), torch.randn(N, cI, generator=g), torch.randn(Tq, nI, generator=g)
-    idx = torch.rand(Tq, N, generator=g).topk(k, -1).indices
-    idx = torch.where(torch.rand(Tq, k, generator=g) < 0.3, -1, idx)
-    dI = torch.randn(Tq, k, generator=g)
-    monkeypatch.setattr(iop, "_DENSE_DK", 0)                   # the index_add_ route (many entries per pick)
-    seen, real = [], torch.Tensor.index_add_
-
-    def spy(self, dim, index, source, *a, **kw):
-        seen.append(index.clone())
-        return real(self, dim, index, source, *a, **kw)
-    monkeypatch.setattr(torch.Tensor, "index_add_", spy)
-    _, dk, _ = torch.ops.dsv4.indexer_scores_listed_bwd(dI, q, kI, w, idx)
-    monkeypatch.setattr(torch.Tensor, "index_add_", real)
-    got = torch.cat(seen)
-    assert (got >= 0).all() and got.numel() == idx.numel()
-    real_rows, spill = got[got < N], got[got >= N]
-    assert torch.equal(real_rows.bincount(minlength=N), idx[idx >= 0].bincount(minlength=N))
-    assert spill.numel() == int((idx < 0).sum())
-    chunks, per_chunk = -(-Tq // iop._CHUNK), -(-iop._CHUNK * k // min(iop._CHUNK * k, iop._SPILL_ROWS))
-    assert int(spill.bincount().max()) <= chunks * per_chunk                  # 3 chunks x once here
-    old = torch.zeros(N, cI)                                   # the old formula, dk only
-    s, dIz = (nI * cI) ** -0.5, torch.where(idx >= 0, dI, torch.zeros_like(dI))
-    for a in range(0, Tq, iop._CHUNK):
-        e = min(a + iop._CHUNK, Tq)
-        K, d = iop._dots(q[a:e], kI, idx[a:e])
-        dd = (dIz[a:e, :, None] * w[a:e, None, :] * s) * (d > 0)
-        dks = torch.bmm(dd, q[a:e])
-        old.index_add_(0, torch.where(idx[a:e] >= 0, idx[a:e], 0).flatten(), dks.flatten(0, 1))
-    assert torch.equal(dk, old)
+@pytest.mark.parametrize("route", ["gemm", "gemm_sub", "atomic"])
+def test_listed_scores_dk_routes_equal_naive(monkeypatch, route):
+    """dkI of the listed-scores backward by either route -- dd stored at its entries' columns of a dense S and
+    one GEMM (N·nI <= DENSE_DK·k: the proxy's case; "gemm_sub": S of 7 queries at a time, several launches) or
+    fp32 atomic adds (many entries per pick) -- == the naive autograd; dq / dw do not depend on the route
+    (bit-equal). fp32: summation order only."""
+    from dsv4.kernels.indexer import indexer_scores_listed
+    q, kI, w, idx, dI = _listed_case(11, drop=0.3)
+    nI, N, k = q.shape[1], kI.shape[0], idx.shape[1]
+    assert N * nI <= tri.DENSE_DK * k
+    base = tri.listed_scores_bwd(dI, q, kI, w, idx)
+    if route == "gemm_sub":
+        monkeypatch.setattr(tri, "DENSE_DK_BYTES", nI * N * 4 * 7)
+    if route == "atomic":
+        monkeypatch.setattr(tri, "DENSE_DK", 0)
+    got = tri.listed_scores_bwd(dI, q, kI, w, idx)
+    assert torch.equal(got[0], base[0]) and torch.equal(got[2], base[2])
+    ins = [t.clone().requires_grad_() for t in (q, kI, w)]
+    fin = idx >= 0
+    ref = indexer_scores_listed(*ins, idx, backend="naive").masked_fill(~fin, 0)
+    want = torch.autograd.grad(ref, ins, dI * fin)
+    for n, a, b in zip(("dq", "dk", "dw"), got, want):
+        assert_close(f"{route} {n}", a, b, 1e-5, 1e-5)
 
 
-@pytest.mark.parametrize("sub_bytes", [1 << 26, 3 * 37 * 4 * 7])             # one S per chunk | S of 7 queries
-def test_listed_scores_gemm_dk_equals_index_add_route(monkeypatch, sub_bytes):
-    """dk of the listed-scores backward by GEMM over dense scattered rows (N·nI <= _DENSE_DK·k: the proxy's case)
-    == the index_add_ route and the naive autograd, with -1 picks, odd sizes, > one 512-query chunk and S in
-    sub-chunks; dq / dw are the same code in both routes (bit-equal). fp32: summation order only."""
+@pytest.mark.skipif(not CUDA, reason="bf16 tensor-core products: GPU only (the interpreter's bf16 dot is wrong)")
+@pytest.mark.parametrize("N", [1024, 16384])                  # proxy 4K (S-GEMM dk) | 64K-token rows (still S-GEMM)
+def test_listed_scores_bf16_matches_naive_on_gpu(N):
+    """proxy shapes (nI=16, cI=128, k=512), bf16: the kernels vs the naive einsum in fp32 of the same bf16 inputs."""
     from dsv4.kernels.indexer import indexer_scores_listed
     from dsv4.kernels.indexer import op as iop
-    g = torch.Generator().manual_seed(11)
-    Tq, nI, cI, N, k = 1100, 3, 8, 37, 6
-    q, kI, w = torch.randn(Tq, nI, cI, generator=g), torch.randn(N, cI, generator=g), torch.randn(Tq, nI, generator=g)
-    idx = torch.rand(Tq, N, generator=g).topk(k, -1).indices
-    idx = torch.where(torch.rand(Tq, k, generator=g) < 0.3, -1, idx)
-    dI = torch.randn(Tq, k, generator=g)
-    assert N * nI <= iop._DENSE_DK * k
-    monkeypatch.setattr(iop, "_DENSE_DK_BYTES", sub_bytes)
-    gemm = torch.ops.dsv4.indexer_scores_listed_bwd(dI, q, kI, w, idx)
-    monkeypatch.setattr(iop, "_DENSE_DK", 0)
-    scat = torch.ops.dsv4.indexer_scores_listed_bwd(dI, q, kI, w, idx)
-    assert torch.equal(gemm[0], scat[0]) and torch.equal(gemm[2], scat[2])
-    assert_close("dk gemm vs index_add_", gemm[1], scat[1], 1e-5, 1e-5)   # measured 5.7e-6 abs, 8 seeds, abs(dk) <= 11
-    qq, kk, ww = (t.clone().requires_grad_() for t in (q, kI, w))
+    q, kI, w, idx, dI = _listed_case(3, Tq=2048, nI=16, cI=128, N=N, k=512, dev="cuda", dt=torch.bfloat16)
     fin = idx >= 0
-    ref = indexer_scores_listed(qq, kk, ww, idx, backend="naive").masked_fill(~fin, 0)
-    want = torch.autograd.grad(ref, (qq, kk, ww), dI * fin)
-    assert_close("dk gemm vs naive", gemm[1], want[1], 1e-5, 1e-5)
+    ins = [t.clone().requires_grad_() for t in (q, kI, w)]
+    got = iop.indexer_scores_listed(*ins, idx)
+    have = torch.autograd.grad(got, ins, dI)
+    ins32 = [t.float().requires_grad_() for t in (q, kI, w)]
+    ref = indexer_scores_listed(*ins32, idx, backend="naive")
+    want = torch.autograd.grad(ref.masked_fill(~fin, 0), ins32, dI * fin)
+    # bf16 dd / S rounding: bounds as the sparse-attention bf16 cases (1e-2 values, 2e-2 gradients)
+    assert_rel("listed bf16", got[fin], ref[fin], 1e-2)
+    for n, a, b in zip(("dq", "dk", "dw"), have, want):
+        assert_rel(n, a.float(), b, 2e-2)
 
 
-def test_scatter_picks_places_each_valid_pick_once():
-    """triton.scatter_picks (the Triton store kernel under the interpreter) == an explicit loop oracle."""
-    g = torch.Generator().manual_seed(12)
-    C, k, nI, N = 5, 19, 3, 23
-    dd = torch.randn(C, k, nI, generator=g)
-    idx = torch.stack([torch.randperm(N, generator=g)[:k] for _ in range(C)])
-    idx = torch.where(torch.rand(C, k, generator=g) < 0.25, -1, idx)
-    want = torch.zeros(C, nI, N)
-    for c in range(C):
-        for s in range(k):
-            if idx[c, s] >= 0:
-                want[c, :, idx[c, s]] = dd[c, s]
-    assert torch.equal(tri.scatter_picks(dd, idx, N, torch.float32), want)

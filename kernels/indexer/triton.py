@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels._triton_util import configs, interpreted, on_cpu, pow2
+from dsv4.kernels._triton_util import configs, on_cpu, pow2
 from dsv4.kernels._varlen import entry_ranges, query_ranges
 
 from . import naive
@@ -228,34 +228,118 @@ def indexer_select(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: i
     return torch.cat(outs, 0)
 
 
-# ------------------------------------------------------------------ listed-scores backward: picks -> dense rows
+# ------------------------------------------------------------------ scores at the listed entries (sparse mode)
+# The sparse-mode indexer loss re-forms the scores at each query's k listed entries with gradients:
+#   d[h, s] = qI[t,h] . kI[idx[t,s]];  I[t,s] = Σ_h w[t,h] c ReLU(d[h,s]),  c = (nI cI)^-1/2,  -inf where idx = -1
+#   dw[t,h] = c Σ_s dI[t,s] ReLU(d);  dd[h,s] = dI[t,s] w[t,h] c 1[d > 0]
+#   dqI[t,h] = Σ_s dd[h,s] kI[idx[t,s]];  dkI[idx[t,s]] += Σ_h dd[h,s] qI[t,h]
+# One program per query (backward) or per (query, block of picks) (forward); the picked kI rows are gathered
+# into the tile and never exist as a [Tq, k, cI] tensor. dkI: while N·nI <= DENSE_DK·k (proxy; DSv4 up to 128K
+# tokens at nI = 64 / k = 1024 ... see op.py) the backward stores dd at its entries' columns of a dense
+# S [queries, nI, N] (plain stores: a query's picks are distinct) and dkI = Sᵀ qI is one GEMM per sub-chunk of
+# queries: fp32 atomics (the other route, many entries per pick) cost ~5 ns an add here (the sparse-attention
+# backward's dKV adds: >= 200 G adds/s measured on the H200), 1.1 G adds per 16K-token call.
+_LIST_FWD_CONFIGS = configs(gpu=[dict(BK=64, num_warps=4, num_stages=2), dict(BK=128, num_warps=4, num_stages=2)],
+                            cpu=dict(BK=16, num_warps=4, num_stages=1))
+_LIST_BWD_CONFIGS = configs(gpu=[dict(BK=32, num_warps=4, num_stages=2), dict(BK=64, num_warps=4, num_stages=2)],
+                            cpu=dict(BK=16, num_warps=4, num_stages=1))
+
+
+@triton.autotune(**_LIST_FWD_CONFIGS, key=["NP", "CP"])
 @triton.jit
-def _pick_scatter(DD, IDX, S, k, N, NI, HP: tl.constexpr, BK: tl.constexpr):
-    """S[c, h, idx[c, s]] = DD[c, s, h] for the valid picks (idx >= 0) of query c, slots of block BK: plain
-    stores (a query's picks are distinct entries, so no address is written twice: deterministic, no atomics)."""
-    c = tl.program_id(0)
+def _listed_fwd(Q, K, W, IDX, OUT, sq_t, sq_h, sk, sw, si, NI, CI, k, coef,
+                NP: tl.constexpr, CP: tl.constexpr, PREC: tl.constexpr, BK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
     slots = tl.program_id(1) * BK + tl.arange(0, BK)
-    h = tl.arange(0, HP)
-    sm = slots < k
-    col = tl.load(IDX + c.to(tl.int64) * k + slots, mask=sm, other=-1)
-    ok = (sm & (col >= 0))[:, None] & (h < NI)[None, :]                                  # [BK, HP]
-    v = tl.load(DD + (c.to(tl.int64) * k + slots[:, None]) * NI + h[None, :], mask=ok, other=0.0)
-    tl.store(S + (c.to(tl.int64) * NI + h[None, :]) * N + col[:, None], v.to(S.dtype.element_ty), mask=ok)
+    h = tl.arange(0, NP)
+    c = tl.arange(0, CP)
+    hm, cm, sm = h < NI, c < CI, slots < k
+    col = tl.load(IDX + t * si + slots, mask=sm, other=-1)                         # [BK] picked entries
+    live = col >= 0
+    kt = tl.load(K + col[:, None] * sk + c[None, :], mask=live[:, None] & cm[None, :], other=0.0)   # [BK, CP]
+    q = tl.load(Q + t * sq_t + h[:, None] * sq_h + c[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
+    w = tl.load(W + t * sw + h, mask=hm, other=0.0).to(tl.float32) * coef          # [NP]  w c
+    d = tl.dot(q.to(kt.dtype), tl.trans(kt), input_precision=PREC)                 # [NP, BK] fp32
+    score = tl.sum(tl.maximum(d, 0.0) * w[:, None], 0)                             # [BK]
+    tl.store(OUT + t * si + slots, tl.where(live, score, float("-inf")), mask=sm)
 
 
-def scatter_picks(dd: torch.Tensor, idx: torch.Tensor, N: int, dtype: torch.dtype) -> torch.Tensor:
-    """dd [C, k, nI] (the per-pick, per-head gradients), idx [C, k] (-1 = none) -> S [C, nI, N] in `dtype`, zero
-    except S[c, :, idx[c, s]] = dd[c, s, :]: the listed gradients as dense rows over the entries, so that
-    dkI = Σ_c,h S[c, h, :]ᵀ qI[c, h, :] is one GEMM."""
-    C, k, nI = dd.shape
-    if on_cpu(dd) and not interpreted():        # CPU without Triton's interpreter: the same stores by scatter_
-        S = torch.zeros(C, nI, N + 1, dtype=dtype)                                   # column N takes the -1s
-        cols = torch.where(idx >= 0, idx, N)[:, None, :].expand(C, nI, k)
-        return S.scatter_(2, cols, dd.transpose(1, 2).to(dtype))[..., :N]
-    S = torch.zeros(C, nI, N, device=dd.device, dtype=dtype)
-    if C and k and N:
-        BK = 16 if on_cpu(dd) else 128
-        _pick_scatter[(C, triton.cdiv(k, BK))](dd.contiguous(), idx.contiguous(), S, k, N, nI, HP=pow2(nI, lo=1),
-                                               BK=BK)
-    return S
+@triton.autotune(**_LIST_BWD_CONFIGS, key=["NP", "CP", "DENSE"])
+@triton.jit
+def _listed_bwd(Q, K, W, IDX, DI, DQ, DW, S, DK, t0, sq_t, sq_h, sk, sw, si, NI, CI, k, N, coef,
+                NP: tl.constexpr, CP: tl.constexpr, PREC: tl.constexpr, DENSE: tl.constexpr, BK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)                                              # row of S (query t0 + r)
+    t = t0 + r
+    h = tl.arange(0, NP)
+    c = tl.arange(0, CP)
+    hm, cm = h < NI, c < CI
+    q = tl.load(Q + t * sq_t + h[:, None] * sq_h + c[None, :], mask=hm[:, None] & cm[None, :], other=0.0)
+    w = tl.load(W + t * sw + h, mask=hm, other=0.0).to(tl.float32) * coef          # [NP]  w c
+    dq = tl.zeros([NP, CP], tl.float32)
+    dw = tl.zeros([NP], tl.float32)
+    for s0 in range(0, k, BK):
+        slots = s0 + tl.arange(0, BK)
+        sm = slots < k
+        col = tl.load(IDX + t * si + slots, mask=sm, other=-1)
+        live = col >= 0
+        kt = tl.load(K + col[:, None] * sk + c[None, :], mask=live[:, None] & cm[None, :], other=0.0)
+        qk = q.to(kt.dtype)
+        d = tl.dot(qk, tl.trans(kt), input_precision=PREC)                          # [NP, BK] recomputed
+        g = tl.load(DI + t * si + slots, mask=live, other=0.0).to(tl.float32)      # [BK], 0 at -1 picks
+        dw += tl.sum(tl.maximum(d, 0.0) * g[None, :], 1)
+        dd = tl.where(d > 0, g[None, :] * w[:, None], 0.0)                          # [NP, BK] fp32
+        dq += tl.dot(dd.to(kt.dtype), kt, input_precision=PREC)
+        if DENSE:   # S[r, h, col] = dd (bf16 in training: what the GEMM reads)
+            tl.store(S + (r * NI + h[:, None]) * N + col[None, :], dd.to(S.dtype.element_ty),
+                     mask=hm[:, None] & live[None, :])
+        else:
+            dkt = tl.dot(tl.trans(dd.to(kt.dtype)), qk, input_precision=PREC)      # [BK, CP]
+            tl.atomic_add(DK + col[:, None] * CI + c[None, :], dkt, mask=live[:, None] & cm[None, :], sem="relaxed")
+    tl.store(DQ + t * sq_t + h[:, None] * sq_h + c[None, :], dq.to(DQ.dtype.element_ty), mask=hm[:, None] & cm[None, :])
+    tl.store(DW + t * sw + h, (dw * coef).to(DW.dtype.element_ty), mask=hm)
 
+
+def listed_scores(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """`naive.indexer_scores_listed` (forward only): qI [Tq,nI,cI], kI [N,cI], w [Tq,nI], idx [Tq,k] -> [Tq,k]
+    fp32, -inf at -1."""
+    qI, kI, w, idx = qI.contiguous(), kI.contiguous(), w.contiguous(), idx.contiguous()
+    Tq, nI, cI = qI.shape
+    k = idx.shape[1]
+    out = torch.full(idx.shape, float("-inf"), device=qI.device, dtype=torch.float32)
+    if Tq == 0 or k == 0 or kI.shape[0] == 0:
+        return out
+    _listed_fwd[lambda m: (Tq, triton.cdiv(k, m["BK"]))](
+        qI, kI, w, idx, out, qI.stride(0), qI.stride(1), kI.stride(0), w.stride(0), idx.stride(0), nI, cI, k,
+        (nI * cI) ** -0.5, NP=pow2(nI), CP=pow2(cI), PREC=_prec(qI))
+    return out
+
+
+DENSE_DK = 1024                 # dkI by S-GEMM while N·nI <= DENSE_DK·k (its extra FLOPs beat the atomics)
+DENSE_DK_BYTES = 1 << 26        # at most 64 MiB of S at a time (sub-chunks of queries)
+
+
+def listed_scores_bwd(dI: torch.Tensor, qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor,
+                      idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of `listed_scores`: dI [Tq,k] (entries at -1 picks are ignored) -> (dqI, dkI, dw) in the
+    inputs' dtypes; fp32 accumulation, products in kI's dtype (the forward's)."""
+    qI, kI, w, idx = qI.contiguous(), kI.contiguous(), w.contiguous(), idx.contiguous()
+    dI = dI.contiguous()
+    Tq, nI, cI = qI.shape
+    N, k = kI.shape[0], idx.shape[1]
+    dq = torch.zeros(qI.shape, device=qI.device, dtype=qI.dtype)
+    dw = torch.zeros(w.shape, device=qI.device, dtype=w.dtype)
+    dk = torch.zeros(kI.shape, device=qI.device, dtype=torch.float32)
+    if Tq == 0 or k == 0 or N == 0:
+        return dq, dk.to(kI.dtype), dw
+    dense = N * nI <= DENSE_DK * k
+    sub = max(1, DENSE_DK_BYTES // max(1, nI * N * kI.element_size())) if dense else Tq   # queries per launch
+    coef = (nI * cI) ** -0.5
+    for b in range(0, Tq, sub):
+        e = min(b + sub, Tq)
+        S = torch.zeros(e - b, nI, N, device=qI.device, dtype=kI.dtype) if dense else dk      # dummy if not dense
+        _listed_bwd[(e - b,)](qI, kI, w, idx, dI, dq, dw, S, dk, b, qI.stride(0), qI.stride(1), kI.stride(0),
+                              w.stride(0), idx.stride(0), nI, cI, k, N, coef, NP=pow2(nI), CP=pow2(cI),
+                              PREC=_prec(qI), DENSE=dense)
+        if dense:                                                                   # dkI += Sᵀ qI  [N, cI]
+            dk += (S.flatten(0, 1).t() @ qI[b:e].flatten(0, 1).to(kI.dtype)).float()
+    return dq, dk.to(kI.dtype), dw
