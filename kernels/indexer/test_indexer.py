@@ -105,7 +105,7 @@ def test_select_equals_topk_of_scores():
     assert torch.equal(got.cpu(), want)
 
 
-def _listed_case(seed, Tq=67, nI=3, cI=24, N=37, k=6, drop=0.2, dev="cpu", dt=torch.float32):
+def _listed_case(seed, Tq=67, nI=3, cI=24, N=37, k=6, drop=0.2, dev=DEV, dt=torch.float32):
     g = torch.Generator(device=dev).manual_seed(seed)
     q = torch.randn(Tq, nI, cI, generator=g, device=dev).to(dt)
     kI = torch.randn(N, cI, generator=g, device=dev).to(dt)
@@ -116,7 +116,8 @@ def _listed_case(seed, Tq=67, nI=3, cI=24, N=37, k=6, drop=0.2, dev="cpu", dt=to
 
 
 def test_listed_scores_op_matches_naive_with_gradients():
-    """The sparse-mode loss re-forms the scores at the listed entries: the Triton kernels (interpreter here) ==
+    """The sparse-mode loss re-forms the scores at the listed entries: the Triton kernels (fp32; the interpreter
+    on CPU) ==
     the reference einsum, values and gradients, with -1 picks, odd sizes (nI=3, cI=24, k=6: masked heads,
     channels and pick slots) and entries repeated across queries; both == the dense scores gathered at the picks.
     The -1 picks' dI is nonzero here: the backward must ignore it."""
@@ -127,8 +128,9 @@ def test_listed_scores_op_matches_naive_with_gradients():
     ins = [t.clone().requires_grad_() for t in (q, kI, w)]
     ref = indexer_scores_listed(*ins, idx, backend="naive")
     got = iop.indexer_scores_listed(*ins, idx)
-    seg = torch.zeros(Tq, dtype=torch.long)
-    dense = indexer_scores(q, kI, w, 1, seg, torch.arange(Tq) + N, torch.zeros(N, dtype=torch.long), torch.arange(N))
+    seg = torch.zeros(Tq, dtype=torch.long, device=DEV)
+    dense = indexer_scores(q, kI, w, 1, seg, torch.arange(Tq, device=DEV) + N, torch.zeros(N, dtype=torch.long, device=DEV),
+                           torch.arange(N, device=DEV))
     fin = idx >= 0
     assert torch.isneginf(ref[~fin]).all() and torch.isneginf(got[~fin]).all()
     assert_close("listed vs dense gathered", ref[fin], dense.gather(-1, idx.clamp(min=0))[fin], 1e-5, 1e-6)
