@@ -109,7 +109,8 @@ def _bench_sparse_attn(seqs, dense_peer, log, heads=(64,)):
     H, c, window, dev = heads[0], 512, 128, "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
-    cases = [(h, m, S) for h in heads for (m, S) in [("window", seqs[0])] + [(m, S) for S in seqs for m in ("csa", "hca")]]
+    per_h = [("window", seqs[0])] + [(m, S) for S in seqs for m in ("csa", "hca")]
+    cases = [(h, m, S) for h in heads for (m, S) in per_h]
     for H, mode, S in cases:
         ratio, k = (4, 512) if mode == "csa" else (128, 0)
         q = torch.randn(S, 1, H, c, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()

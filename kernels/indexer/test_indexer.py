@@ -129,8 +129,8 @@ def test_listed_scores_op_matches_naive_with_gradients():
     ref = indexer_scores_listed(*ins, idx, backend="naive")
     got = iop.indexer_scores_listed(*ins, idx)
     seg = torch.zeros(Tq, dtype=torch.long, device=DEV)
-    dense = indexer_scores(q, kI, w, 1, seg, torch.arange(Tq, device=DEV) + N, torch.zeros(N, dtype=torch.long, device=DEV),
-                           torch.arange(N, device=DEV))
+    dense = indexer_scores(q, kI, w, 1, seg, torch.arange(Tq, device=DEV) + N,
+                           torch.zeros(N, dtype=torch.long, device=DEV), torch.arange(N, device=DEV))
     fin = idx >= 0
     assert torch.isneginf(ref[~fin]).all() and torch.isneginf(got[~fin]).all()
     assert_close("listed vs dense gathered", ref[fin], dense.gather(-1, idx.clamp(min=0))[fin], 1e-5, 1e-6)

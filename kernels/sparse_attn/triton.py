@@ -15,8 +15,8 @@ QB * HB rows (query-major: row r = query t0 + r // HB, head r % HB) are the M di
 HB = min(next_pow2(H), BH): with H >= BH (DSv4, H = 64) a program is one query, as in FlashMLA; with fewer heads
 (`proxy`, H = 16) QB = BH / HB queries share the window and HCA key tiles instead of leaving rows of the tile
 empty (4x fewer window / HCA key loads in the forward, and 2x fewer dKV atomics in the backward, at H = 16).
-Each query's CSA picks are its own: they stream one query at a time with the other rows masked. A key tile's load is masked
-by its address range only (rows <= u, listed idx >= 0, the slot range); visibility (document, window, entry
+Each query's CSA picks are its own: they stream one query at a time with the other rows masked. A key tile's
+load is masked by its address range only (rows <= u, listed idx >= 0, the slot range); visibility (document, window, entry
 completeness, from seg / pos / entry_seg / entry_j) masks the logits, so the tile load never waits on the metadata
 gathers (two levels of indirection stall the software pipeline). Keys stream in tiles of BN rows (window rows are
 contiguous, CSA rows are gathered by index, HCA rows are contiguous), online softmax in the exp2 domain,
@@ -100,8 +100,8 @@ def _window_valid_rows(SEG, POS, offs_n, hi, u, seg_u, pos_u, window):
 @triton.jit
 def _window_mask(SEG, POS, offs_n, hi, u, seg_u, pos_u, u0, seg0, pos0, window, ONE: tl.constexpr):
     """The logits mask of a window tile: [1, BN] from the one query's scalars (u0 / seg0 / pos0) when the program
-    is one query (ONE), else [BH, BN] per row. The per-key form keeps the 2-D integer compares out of the H >= BH
-    (DSv4) kernel: with them its forward was 1.3-1.4x slower on the H200."""
+    is one query (ONE), else [BH, BN] per row. The per-key form keeps the H >= BH (DSv4) kernel's code as it was
+    (same ptxas spills, sm_90a) and its 2-D integer compares out of the loop."""
     if ONE:
         valid = _window_valid(SEG, POS, offs_n, u0, seg0, pos0, window)[None, :]
     else:
