@@ -16,10 +16,10 @@ HB = min(next_pow2(H), BH): with H >= BH (DSv4, H = 64) a program is one query, 
 (`proxy`, H = 16) QB = BH / HB queries share the window and HCA key tiles instead of leaving rows of the tile
 empty (4x fewer window / HCA key loads in the forward, and 2x fewer dKV atomics in the backward, at H = 16).
 Each query's CSA picks are its own: they stream one query at a time with the other rows masked. A key tile's
-load is masked by its address range only (rows <= u, listed idx >= 0, the slot range); visibility (document, window, entry
-completeness, from seg / pos / entry_seg / entry_j) masks the logits, so the tile load never waits on the metadata
-gathers (two levels of indirection stall the software pipeline). Keys stream in tiles of BN rows (window rows are
-contiguous, CSA rows are gathered by index, HCA rows are contiguous), online softmax in the exp2 domain,
+load is masked by its address range only (rows <= u, listed idx >= 0, the slot range); visibility (document,
+window, entry completeness, from seg / pos / entry_seg / entry_j) masks the logits, so the tile load never waits
+on the metadata gathers (two levels of indirection stall the software pipeline). Keys stream in tiles of BN rows
+(window rows are contiguous, CSA rows are gathered by index, HCA rows are contiguous), online softmax in the exp2 domain,
 seeded with the sink (running max = sink, running sum = 1), so a query with no key is well defined.
 
 Backward (one fused kernel, FA2 style with the stored log-sum-exp): per key tile recompute P, dP = dO Vᵀ,
