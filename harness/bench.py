@@ -97,6 +97,13 @@ def _csa_idx(S, T, k, ratio, dev, gen):
     return idx
 
 
+def _tuned_ms(kernel) -> dict:
+    """The autotuner's median ms of every config it timed for its last tuned key (an in-process A/B of the
+    configs, e.g. several queries a program against one): {config: ms}."""
+    t = getattr(kernel, "configs_timings", None) or {}
+    return {str(c): float(v[0] if isinstance(v, (list, tuple)) else v) for c, v in t.items()}
+
+
 def _bench_sparse_attn(seqs, dense_peer, log, heads=(64,)):
     """Rows for each head count (64: DSv4; 16: `proxy`, where a program holds 4 queries forward / 2 backward,
     kernels/sparse_attn/triton.py); the dense peer at the first."""
@@ -136,12 +143,15 @@ def _bench_sparse_attn(seqs, dense_peer, log, heads=(64,)):
         row = {"mode": mode, "S": S, "B": 1, "H": H, "c": c, "window": window, "ratio": ratio if mode != "window" else 0,
                "topk": k, "avg_keys_per_query": nkeys / S}
         try:
+            for kern in (tri._sparse_attn_fwd, tri._sparse_attn_bwd):   # tune this row's key now: its timings below
+                kern.cache.clear()
             fwd, bwd = _fwd_bwd(lambda: sparse_attn(q1, kv1, comp1, idx1, sink, window, ratio, c ** -0.5, *meta,
                                                     backend="triton"), ins)
             ff, fb = 4.0 * H * c * nkeys, 10.0 * H * c * nkeys
             row.update(fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=ff / fwd * 1e-9, bwd_tflops=fb / bwd * 1e-9,
                        fwd_bwd_ms=fwd + bwd,
-                       fwd_config=str(tri._sparse_attn_fwd.best_config), bwd_config=str(tri._sparse_attn_bwd.best_config))
+                       fwd_config=str(tri._sparse_attn_fwd.best_config), bwd_config=str(tri._sparse_attn_bwd.best_config),
+                       fwd_tuned_ms=_tuned_ms(tri._sparse_attn_fwd), bwd_tuned_ms=_tuned_ms(tri._sparse_attn_bwd))
             if mode == "csa":   # nominal K = 640 for every query (kernels_perf §2.6 convention)
                 row.update(nominal_fwd_tflops=4.0 * H * c * 640 * S / fwd * 1e-9,
                            nominal_bwd_tflops=10.0 * H * c * 640 * S / bwd * 1e-9)

@@ -12,10 +12,12 @@ K = V (MQA: all H heads share one kv head of width c).
 
 Schedule (flash-attention style, MQA): one program per (QB consecutive queries, block of HB heads); its BH =
 QB * HB rows (query-major: row r = query t0 + r // HB, head r % HB) are the M dimension of the tensor-core tiles.
-HB = min(next_pow2(H), BH): with H >= BH (DSv4, H = 64) a program is one query, as in FlashMLA; with fewer heads
-(`proxy`, H = 16) QB = BH / HB queries share the window and HCA key tiles instead of leaving rows of the tile
-empty (4x fewer window / HCA key loads in the forward, and 2x fewer dKV atomics in the backward, at H = 16).
-Each query's CSA picks are its own: they stream one query at a time with the other rows masked. A key tile's
+HB = min(next_pow2(H), largest BH): with H >= BH (DSv4, H = 64) a program is one query, as in FlashMLA; with
+fewer heads (`proxy`, H = 16) QB = BH / HB queries can share the window and HCA key tiles instead of leaving rows
+of the tile empty (4x fewer window / HCA key loads in the forward, and 2x fewer dKV atomics in the backward, at
+H = 16). Each query's CSA picks are its own: they stream one query at a time with the other rows masked, so a
+several-query program spends QB x the MMA work on them; the tuner also times BH = HB (one query a program, M = 16
+tiles at H = 16) and keeps, per mode, whichever is faster. A key tile's
 load is masked by its address range only (rows <= u, listed idx >= 0, the slot range); visibility (document,
 window, entry completeness, from seg / pos / entry_seg / entry_j) masks the logits, so the tile load never waits
 on the metadata gathers (two levels of indirection stall the software pipeline). Keys stream in tiles of BN rows
@@ -46,23 +48,38 @@ MODE_NONE, MODE_IDX, MODE_ALL = 0, 1, 2
 # (64, 64|32, 8 warps) compile to wgmma with small register spills (ptxas, sm_90, triton 3.9). Backward: the
 # plain [BN, BD] dKV form needs q and dO twice in shared memory at BH=64 (> 228 KB): BH=32 (mma.sync). The
 # transposed form (DKT: q / dO reused as transposed A operands) fits BH=64 with wgmma but faulted on the device.
-# Every config of a kernel and device has the same BH (rows per program), so the launcher knows HB before tuning.
+# The launcher fixes HB (heads a program) before tuning; the configs' BH (rows a program) then sets QB = BH / HB
+# queries a program, and the prune keeps the configs with BH >= HB. With H <= 16 (`proxy`) the tuner so also times
+# BH = 16 = one query a program (M = 16 mma.sync tiles): the CSA picks are per query, and in a several-query
+# program each query's pick tiles run the whole BH-row dot with the other rows masked (4x the MMA work at QB = 4).
 _FWD_BH, _BWD_BH, _CPU_BH = 64, 32, 16
+
+
+def _bh_at_least_hb(cfgs, args):
+    return [c for c in cfgs if c.kwargs["BH"] >= args["HB"]]
+
+
 _FWD_CONFIGS = configs(
     gpu=[dict(BH=_FWD_BH, BN=64, num_warps=8, num_stages=2), dict(BH=_FWD_BH, BN=32, num_warps=8, num_stages=2),
-         dict(BH=_FWD_BH, BN=32, num_warps=8, num_stages=3)],
-    cpu=dict(BH=_CPU_BH, BN=16, num_warps=4, num_stages=1))
+         dict(BH=_FWD_BH, BN=32, num_warps=8, num_stages=3),
+         dict(BH=16, BN=64, num_warps=8, num_stages=2), dict(BH=16, BN=32, num_warps=4, num_stages=3)],
+    cpu=dict(BH=_CPU_BH, BN=16, num_warps=4, num_stages=1), prune=_bh_at_least_hb)
 _BWD_CONFIGS = configs(   # DKT=True (BH=64, wgmma) hit an illegal address on the H200 (triton 3.6, c=512): off
     gpu=[dict(BH=_BWD_BH, BN=32, DKT=False, num_warps=8, num_stages=1),
-         dict(BH=_BWD_BH, BN=16, DKT=False, num_warps=8, num_stages=2)],
-    cpu=dict(BH=_CPU_BH, BN=16, DKT=False, num_warps=4, num_stages=1))
+         dict(BH=_BWD_BH, BN=16, DKT=False, num_warps=8, num_stages=2),
+         dict(BH=16, BN=32, DKT=False, num_warps=8, num_stages=1),
+         dict(BH=16, BN=16, DKT=False, num_warps=4, num_stages=2)],
+    cpu=dict(BH=_CPU_BH, BN=16, DKT=False, num_warps=4, num_stages=1), prune=_bh_at_least_hb)
 
 
-def _rows(x, H: int, bh_gpu: int) -> tuple[int, int]:
-    """(HB heads, QB queries) of a program for H heads: HB = min(next_pow2(H), BH), QB = BH / HB."""
-    bh = _CPU_BH if on_cpu(x) else bh_gpu
-    hb = min(triton.next_power_of_2(int(H)), bh)
-    return hb, bh // hb
+def _heads(x, H: int, bh_max: int) -> int:
+    """HB heads a program for H heads: min(next_pow2(H), the largest BH of the device's configs)."""
+    return min(triton.next_power_of_2(int(H)), _CPU_BH if on_cpu(x) else bh_max)
+
+
+def _grid(Tq: int, H: int, hb: int):
+    """Programs (query blocks of QB = BH / HB queries, head blocks) for the config the tuner tries."""
+    return lambda meta: (triton.cdiv(Tq, meta["BH"] // hb), triton.cdiv(H, hb))
 
 
 # ----------------------------------------------------------------------------------------------- forward
@@ -405,9 +422,8 @@ class _SparseAttn(torch.autograd.Function):
             q, kv, comp, comp_idx, ratio, seg, pos, entry_seg, entry_j, q_off)
         o = torch.empty_like(q)
         lse = torch.empty(Tq, H, device=q.device, dtype=torch.float32)
-        hb, qb = _rows(q, H, _FWD_BH)
-        grid = (triton.cdiv(Tq, qb), triton.cdiv(H, hb))
-        _sparse_attn_fwd[grid](
+        hb = _heads(q, H, _FWD_BH)
+        _sparse_attn_fwd[_grid(Tq, H, hb)](
             q, kv, comp_t, idx_t, sink.contiguous(), o, lse, seg, pos, eseg, ej, elo, ehi,
             q.stride(0), q.stride(1), kv.stride(0), comp_t.stride(0), idx_t.stride(0), o.stride(0), o.stride(1),
             lse.stride(0), Tq, H, nsel, int(window), ratio, float(scale) * LOG2E, int(q_off),
@@ -428,9 +444,8 @@ class _SparseAttn(torch.autograd.Function):
         has_comp = mode != MODE_NONE
         dcomp = torch.zeros(comp_t.shape, device=q.device, dtype=torch.float32) if has_comp else dkv
         delta = torch.empty_like(lse)
-        hb, qb = _rows(q, H, _BWD_BH)
-        grid = (triton.cdiv(Tq, qb), triton.cdiv(H, hb))
-        _sparse_attn_bwd[grid](
+        hb = _heads(q, H, _BWD_BH)
+        _sparse_attn_bwd[_grid(Tq, H, hb)](
             q, kv, comp_t, idx_t, o, do, lse, dq, dkv, dcomp, delta, seg, pos, eseg, ej, elo, ehi,
             q.stride(0), q.stride(1), kv.stride(0), comp_t.stride(0), idx_t.stride(0), o.stride(0), o.stride(1),
             lse.stride(0), Tq, H, nsel, window, ratio, scale * LOG2E, scale, q_off,
