@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call on the H200 (run from the repo root): the kernel tests at DSv4 shapes, then
 # `dsv4 bench kernels`, logs and JSON under $OUT (copied to goldens/h200/<slice>/ afterwards).
-# The checkout is not pip-installed there: a shim package dir maps dsv4.* onto the folders.
+# The checkout is not pip-installed there: a shim package dir maps dsv4.* onto the folders. Set DSV4_GIT_SHA=<sha>
+# (the device copy's .git need not be the commit sent: at 8361be7 it reported debb304).
 set -u
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/shim/dsv4
