@@ -18,6 +18,9 @@
 # `more`: compile_train/ (`--compile --steps 12`: torch.compile of every block trains, issue 12) and packed_train/
 # (`--packing --steps 4`: packed THD rows on the Triton kernels) side by side. Decode is harness/device/gen_h200.sh.
 # `speed` (issue 13): each alone, in order (SPEED= a subset), every step cut to what is left of DEADLINE s (540):
+#   warm.json         `warm` (not a result): one ours step at 4K and 16K, so that Triton's kernels and autotuning
+#                     choices are in the cache before the timed rows (a cold first row spent 126 s of its 170 s in
+#                     its 4K warm-up at 8361be7; put `warm` first in SPEED=)
 #   train20/          `dsv4 train --recipe proxy --steps 20` (its per-step fwd-bwd time, not contended)
 #   bench_train.json  `dsv4 bench train --profile` rows in separate processes (--append): ours 4K+16K B=2 (TOKS=),
 #                     hf_eager 4K+16K, ours_cudagraph 4K+16K, hf_compile 4K (bench_ours_compile: ours_compile 4K),
@@ -84,6 +87,7 @@ elif [ "$WHAT" = speed ]; then
   T16=$(( T4 * 4 ))
   for st in ${SPEED:-train20 bench_ours bench_hf_eager bench_ours_cudagraph bench_hf_compile bench_packed bench_long}; do
   case $st in
+    warm)    run warm $(left 260) "$BT $SM --steps 1 --warmup 1 --tokens $T4,$T16 --batch 2 --impls ours --out $OUT/warm.json" ;;
     train20) run train20 $(left 120) "$D train --recipe $R --steps 20 $E --out $SHIM/run_train20 --no-final-checkpoint --json"
              keep train20 ;;
     bench_ours|bench_hf_eager) run $st $(left ${TR:-170}) "$BT $SM --tokens ${TOKS:-$T4,$T16} --batch 2 --impls ${st#bench_} --profile --append --out $OUT/bench_train.json" ;;
