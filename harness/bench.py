@@ -105,8 +105,9 @@ def _tuned_ms(kernel) -> dict:
 
 
 def _bench_sparse_attn(seqs, dense_peer, log, heads=(64,)):
-    """Rows for each head count (64: DSv4; 16: `proxy`, where a program holds 4 queries forward / 2 backward,
-    kernels/sparse_attn/triton.py); the dense peer at the first."""
+    """Rows for each head count (64: DSv4; 16: `proxy`, where the tuner chooses per mode between one query a
+    program and several, kernels/sparse_attn/triton.py; each row keeps every config's time); the dense peer at the
+    first."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
