@@ -12,6 +12,10 @@ Per op (shapes = DSv4-Flash where the op has them; B = 1):
   mhc          N in --tokens x n=4 x d=4096 bf16: hc_pre / hc_post fwd and bwd, TB/s over `MHC_BYTES` (the
                minimal bytes); the naive path as a peer in every row; the autotuned configs recorded.
   swiglu       [65536, 2048] bf16: TB/s.
+  cross_entropy  the head's blocked loss (model.head_cross_entropy; `proxy` head: 16384 rows, d=2048, V=32768,
+               bf16) fwd / bwd on each kernel backend (the fused rows' A/B, GEMMs included), and the row kernels
+               alone on one [8192, 32768] bf16 block: TB/s over the block's bytes (lse reads it; dlogits reads it
+               and writes it).
 Timing: `triton.testing.do_bench` (median, L2 flushed between runs); dense SDPA at S >= 32K: CUDA events,
 1 warm-up + 2 runs (a run takes seconds). Results carry provenance: git sha, torch/triton versions, GPU.
 `--smoke`: tiny sizes of compressor / mhc / swiglu, on CPU (Triton's interpreter) when no GPU is visible, one
@@ -30,8 +34,9 @@ from pathlib import Path
 
 import click
 
-SLICE_OF = {"sparse_attn": "D3", "indexer": "D3", "compressor": "D3", "mhc": "P2", "swiglu": "P5"}
-OPS = ["sparse_attn", "indexer", "compressor", "mhc", "swiglu"]
+SLICE_OF = {"sparse_attn": "D3", "indexer": "D3", "compressor": "D3", "mhc": "P2", "swiglu": "P5",
+            "cross_entropy": "D9"}
+OPS = ["sparse_attn", "indexer", "compressor", "mhc", "swiglu", "cross_entropy"]
 
 
 def _provenance():
@@ -469,7 +474,39 @@ def _bench_swiglu(log, dev="cuda", smoke=False):
     return {"rows": rows, "bytes": "fwd: read gate+up, write y; bwd: read gate+up+dy, write dgate+dup"}
 
 
-SMOKE_OPS = ("compressor", "mhc", "swiglu")
+# ------------------------------------------------------------------------------------------- cross entropy
+def _bench_cross_entropy(log, dev="cuda", smoke=False):
+    import torch
+
+    from dsv4.kernels.cross_entropy import ce_dlogits, ce_lse
+    from dsv4.model.model import head_cross_entropy
+    N, d, V = (37, 16, 300) if smoke else (16384, 2048, 32768)
+    C = min(N, 8192)                                                   # head_cross_entropy's row block
+    gen = torch.Generator(device=dev).manual_seed(5)
+    bf = torch.bfloat16
+    y = torch.randn(N, d, device=dev, generator=gen).to(bf).requires_grad_()
+    W = (torch.randn(V, d, device=dev, generator=gen) * 0.02).to(bf).requires_grad_()
+    lab = torch.randint(0, V, (N,), device=dev, generator=gen)
+    logits = (torch.randn(C, V, device=dev, generator=gen) * 3).to(bf)
+    scale = torch.rand(C, device=dev, generator=gen)
+    ms = _timer(dev)
+    rows, nbytes = [], logits.numel() * logits.element_size()
+    for backend in ("triton", "naive"):
+        f, b = _fwd_bwd_on(dev, lambda: head_cross_entropy(y, W, lab, backend=backend), [y, W])
+        lse = ce_lse(logits, lab[:C], backend=backend)[0]
+        fl = ms(lambda: ce_lse(logits, lab[:C], backend=backend))
+        fd = ms(lambda: ce_dlogits(logits, lse, lab[:C], scale, backend=backend))
+        row = {"backend": backend, "rows": N, "d": d, "V": V, "head_fwd_ms": f, "head_bwd_ms": b,
+               "block": [C, V], "lse_ms": fl, "dlogits_ms": fd, "lse_tbps": nbytes / fl * 1e-9,
+               "dlogits_tbps": 2 * nbytes / fd * 1e-9}
+        log(row)
+        rows.append(row)
+    t, n = rows
+    return {"rows": rows, "speedup_vs_naive": {"head_fwd": n["head_fwd_ms"] / t["head_fwd_ms"],
+                                                "head_bwd": n["head_bwd_ms"] / t["head_bwd_ms"]}}
+
+
+SMOKE_OPS = ("compressor", "mhc", "swiglu", "cross_entropy")
 
 
 @click.command("kernels")
@@ -540,6 +577,8 @@ def bench_cmd(as_json, out, out_dir, only, seqs, tokens, heads, dense_peer, isol
                 r = _bench_compressor(toks, dev, log, smoke)
             elif op == "mhc":
                 r = _bench_mhc(toks, dev, log, smoke)
+            elif op == "cross_entropy":
+                r = _bench_cross_entropy(log, dev, smoke)
             else:
                 r = _bench_swiglu(log, dev, smoke)
         except Exception as e:  # noqa: BLE001

@@ -30,6 +30,7 @@ from dsv4.model.layout import Layout, LayoutError
 from dsv4.model.losses import AuxLosses, acc, assemble_losses
 from dsv4.model.mhc import expand_streams, hc_head, mhc_parameters
 import dsv4.kernels as kernels
+from dsv4.kernels.cross_entropy import ce_dlogits, ce_lse
 from dsv4.model.moe import EXPERT_GEMMS, Experts, Gate, MoE
 from dsv4.model.mtp import MTPBlock
 from dsv4.model.norm import RMSNorm
@@ -146,7 +147,8 @@ class DSv4Model(nn.Module):
             V = self.cfg.vocab_size
             s = F.cross_entropy(acc(logits).reshape(-1, V), labels, ignore_index=IGNORE, reduction="sum")
         else:
-            s = head_cross_entropy(y.reshape(-1, y.shape[-1]), self.head.weight, labels, reduction="sum")
+            s = head_cross_entropy(y.reshape(-1, y.shape[-1]), self.head.weight, labels, reduction="sum",
+                                   backend=self.backend)
         return s, n.to(s.dtype)
 
     # ------------------------------------------------------------------ training helpers
@@ -236,10 +238,11 @@ def run_block(ckpt: bool, block, aux: AuxLosses, *args):
 class _HeadCrossEntropy(torch.autograd.Function):
     """mean over non-ignored rows of CE(y @ W^T, labels), the logits formed in W's dtype and upcast to fp32 as
     `F.cross_entropy(head(y).float(), labels)` does, over blocks of `chunk` rows; backward recomputes each
-    block's logits, so only y, W, labels and the per-row log-sum-exp are kept."""
+    block's logits, so only y, W, labels and the per-row log-sum-exp are kept. The rows' softmax math is the
+    kernel op `ce_lse` / `ce_dlogits` (kernels/cross_entropy: naive, or one Triton pass over the block)."""
 
     @staticmethod
-    def forward(ctx, y, weight, labels, chunk, mean):
+    def forward(ctx, y, weight, labels, chunk, mean, backend):
         N = y.shape[0]
         dt = torch.promote_types(y.dtype, torch.float32)                       # fp32 (fp64 stays fp64)
         valid = labels != IGNORE
@@ -248,13 +251,11 @@ class _HeadCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=dt, device=y.device)
         safe = torch.where(valid, labels, torch.zeros_like(labels))
         for a in range(0, N, chunk):
-            lf = F.linear(y[a:a + chunk], weight).to(dt)                      # [C, V] fp32
-            l = torch.logsumexp(lf, dim=-1)
-            tgt = lf.gather(1, safe[a:a + chunk, None]).squeeze(1)
+            l, tgt = ce_lse(F.linear(y[a:a + chunk], weight), safe[a:a + chunk], backend=backend)   # [C] each
             total += torch.where(valid[a:a + chunk], l - tgt, torch.zeros_like(l)).sum()
             lse[a:a + chunk] = l
         ctx.save_for_backward(y, weight, safe, valid, lse, n)
-        ctx.chunk, ctx.mean = chunk, mean
+        ctx.chunk, ctx.mean, ctx.backend = chunk, mean, backend
         return total / n if mean else total                                    # mean: nan if all are ignored
 
     @staticmethod
@@ -263,27 +264,25 @@ class _HeadCrossEntropy(torch.autograd.Function):
         dy = torch.empty_like(y)
         dt = lse.dtype
         dw = torch.zeros(weight.shape, dtype=dt, device=weight.device)
-        coef = g.to(dt) / n if ctx.mean else g.to(dt)
+        scale = valid.to(dt) * (g.to(dt) / n if ctx.mean else g.to(dt))       # [N]: dLoss of each row, 0 if ignored
         for a in range(0, y.shape[0], ctx.chunk):
-            yc = y[a:a + ctx.chunk]
-            p = torch.exp(F.linear(yc, weight).to(dt) - lse[a:a + ctx.chunk, None])    # softmax [C, V]
-            p.scatter_add_(1, safe[a:a + ctx.chunk, None], torch.full_like(p[:, :1], -1.0))
-            p *= (valid[a:a + ctx.chunk, None] * coef)
-            gl = p.to(y.dtype)                                                 # dlogits in the logits' dtype
-            dy[a:a + ctx.chunk] = gl @ weight
+            yc, rows = y[a:a + ctx.chunk], slice(a, a + ctx.chunk)
+            gl = ce_dlogits(F.linear(yc, weight), lse[rows], safe[rows], scale[rows], backend=ctx.backend)
+            dy[rows] = gl @ weight                                             # gl: dlogits [C, V], logits' dtype
             dw += (gl.t() @ yc).to(dt)
-        return dy, dw.to(weight.dtype), None, None, None
+        return dy, dw.to(weight.dtype), None, None, None, None
 
 
 def head_cross_entropy(y: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                       chunk: int = 8192, reduction: str = "mean") -> torch.Tensor:
+                       chunk: int = 8192, reduction: str = "mean", backend: str = "naive") -> torch.Tensor:
     """y [N, d], weight [V, d], labels [N] (IGNORE = -100) -> mean (or "sum") CE of the logits y @ weight^T
     (fp32 softmax), never materialising [N, V]: the memory of one block of `chunk` rows. Under autocast the
-    logits are formed in the autocast dtype, as `head(y)` is there (model.precision.autocast_operands)."""
+    logits are formed in the autocast dtype, as `head(y)` is there (model.precision.autocast_operands).
+    backend: the rows' softmax kernels (kernels/cross_entropy), the model's kernel backend."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"head_cross_entropy: reduction must be mean|sum, got {reduction!r}")
     y, weight = autocast_operands(y, weight)
-    return _HeadCrossEntropy.apply(y, weight, labels, chunk, reduction == "mean")
+    return _HeadCrossEntropy.apply(y, weight, labels, chunk, reduction == "mean", backend)
 
 
 def build_model(cfg: DSv4Config | str, device: str | torch.device | None = None, **overrides) -> DSv4Model:

@@ -1,0 +1,112 @@
+"""Cross-entropy rows: Triton == naive (kernels/cross_entropy) at odd shapes, an fp64 oracle written here, and the
+head's blocked loss (model/model.py head_cross_entropy) on both backends in values and gradients, with an fp64
+gradcheck through the Triton kernels. CPU: Triton's interpreter in fp32 / fp64 (its fp32 -> bf16 stores truncate,
+kernels/PERF_NOTES.md, so bf16 is judged on the GPU only, at the `proxy` head's shapes)."""
+from dsv4.kernels._testing import CUDA, assert_rel, use_interpreter
+
+use_interpreter()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+from dsv4.kernels.cross_entropy import naive  # noqa: E402
+from dsv4.kernels.cross_entropy import triton as T  # noqa: E402
+from dsv4.model.model import IGNORE, head_cross_entropy  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _oracle(logits, labels, scale):
+    """fp64 loops written from the formula: lse_r = log sum_v exp(l_rv); dl_rv = s_r (softmax_rv - [v = y_r])."""
+    l = logits.double()
+    lse = torch.stack([torch.log(torch.exp(r - r.max()).sum()) + r.max() for r in l])
+    tgt = torch.stack([l[i, int(y)] for i, y in enumerate(labels)])
+    onehot = torch.zeros_like(l)
+    onehot[torch.arange(len(labels)), labels] = 1.0
+    return lse, tgt, scale.double()[:, None] * (torch.exp(l - lse[:, None]) - onehot)
+
+
+@pytest.mark.parametrize("C,V", [(7, 1000), (3, 1), (5, 256), (1, 513)])
+@pytest.mark.parametrize("dt", [torch.float32, torch.float64])
+def test_triton_matches_naive_and_the_oracle(C, V, dt):
+    g = torch.Generator().manual_seed(C * 1000 + V)
+    logits = (torch.randn(C, V, generator=g) * 4).to(dt).to(DEV)
+    labels = torch.randint(0, V, (C,), generator=g).to(DEV)
+    labels[0] = V - 1                                                          # the last column
+    scale = torch.rand(C, generator=g).to(torch.promote_types(dt, torch.float32)).to(DEV)
+    scale[-1] = 0.0                                                            # an ignored row
+    lse_n, tgt_n = naive.ce_lse(logits, labels)
+    lse_t, tgt_t = T.ce_lse(logits, labels)
+    assert lse_t.dtype == lse_n.dtype and tgt_t.dtype == tgt_n.dtype
+    # fp32: the online log-sum-exp sums in another order than torch.logsumexp; measured worst 1 ulp (|diff|
+    # 1.9e-6 at |lse| ~ 20, V up to 32768, on the interpreter), margin x4 -> rtol 4 ulps = 5e-7 (fp64: 1e-14)
+    tol = 5e-7 if dt == torch.float32 else 1e-14
+    torch.testing.assert_close(lse_t, lse_n, atol=0, rtol=tol)
+    assert torch.equal(tgt_t, tgt_n)                                           # a copy of one element: exact
+    dl_n = naive.ce_dlogits(logits, lse_n, labels, scale)
+    dl_t = T.ce_dlogits(logits, lse_n, labels, scale)                         # same lse: the same fp32 formula
+    # the same formula from the same lse; exp's rounding differs (measured worst 6.0e-8 absolute), margin x4
+    torch.testing.assert_close(dl_t, dl_n, atol=2.5e-7 if dt == torch.float32 else 1e-15, rtol=0)
+    lse_o, tgt_o, dl_o = _oracle(logits.cpu(), labels.cpu(), scale.cpu())
+    torch.testing.assert_close(lse_t.cpu().double(), lse_o, atol=0, rtol=2 * tol)
+    torch.testing.assert_close(tgt_t.cpu().double(), tgt_o, atol=0, rtol=0)
+    torch.testing.assert_close(dl_t.cpu().double(), dl_o, atol=1e-6 if dt == torch.float32 else 1e-13, rtol=0)
+    assert (dl_t[-1] == 0).all()                                               # scale 0: no gradient
+
+
+def test_empty_block_and_bad_shapes():
+    e = torch.empty(0, 5, device=DEV)
+    lse, tgt = T.ce_lse(e, torch.empty(0, dtype=torch.long, device=DEV))
+    assert lse.shape == (0,) and tgt.shape == (0,)
+    with pytest.raises(ValueError, match=r"logits \[C, V\] and labels \[C\]"):
+        T.ce_lse(torch.zeros(3, 4, device=DEV), torch.zeros(2, dtype=torch.long, device=DEV))
+    with pytest.raises(ValueError, match="contiguous"):
+        T.ce_lse(torch.zeros(4, 3, device=DEV).t(), torch.zeros(3, dtype=torch.long, device=DEV))
+
+
+def _head_case(N, d, V, dt, seed):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(N, d, generator=g, dtype=dt).to(DEV)
+    W = (torch.randn(V, d, generator=g, dtype=dt) * 0.5).to(DEV)
+    lab = torch.randint(0, V, (N,), generator=g).to(DEV)
+    lab[::4] = IGNORE
+    return y, W, lab
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_head_cross_entropy_triton_equals_naive(reduction):
+    """The model's blocked head loss (3 blocks, the last one short) on both backends: loss and dy / dW."""
+    y, W, lab = _head_case(23, 16, 300, torch.float32, 3)
+    out = {}
+    for backend in ("naive", "triton"):
+        yy, WW = y.clone().requires_grad_(), W.clone().requires_grad_()
+        loss = head_cross_entropy(yy, WW, lab, chunk=10, reduction=reduction, backend=backend)
+        loss.backward()
+        out[backend] = (loss.detach(), yy.grad, WW.grad)
+    for name, a, b in zip(("loss", "dy", "dW"), out["triton"], out["naive"]):
+        # lse's 1-ulp reorder (test above) reaches the loss and, through exp(l - lse), the gradients: measured
+        # worst 7.4e-8 relative (dy), margin x13 -> 1e-6
+        assert_rel(name, a, b, 1e-6)
+
+
+def test_head_cross_entropy_gradcheck_fp64_through_triton():
+    y, W, lab = _head_case(6, 5, 37, torch.float64, 4)
+    y.requires_grad_(), W.requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: head_cross_entropy(a, b, lab, chunk=4, backend="triton"), (y, W))
+
+
+@pytest.mark.skipif(not CUDA, reason="bf16 kernels are judged on the GPU (the interpreter's bf16 stores truncate)")
+def test_proxy_head_bf16_on_gpu():
+    """The proxy head's block: C = 8192 rows, V = 32768, bf16 logits; Triton vs naive by relative norm (lse in
+    fp32 from the same bf16 logits: 1e-6; dlogits rounded to bf16 once on each side: 1e-2)."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(8192, 32768, generator=g) * 3).to(torch.bfloat16).cuda()
+    labels = torch.randint(0, 32768, (8192,), generator=g).cuda()
+    scale = torch.rand(8192, generator=g).cuda()
+    lse_n, tgt_n = naive.ce_lse(logits, labels)
+    lse_t, tgt_t = T.ce_lse(logits, labels)
+    assert_rel("lse", lse_t, lse_n, 1e-6)
+    assert torch.equal(tgt_t, tgt_n)
+    assert_rel("dlogits", T.ce_dlogits(logits, lse_n, labels, scale), naive.ce_dlogits(logits, lse_n, labels, scale),
+               1e-2)
