@@ -45,6 +45,11 @@ def _cases():
     ang = torch.rand(7, 4, device=DEV) * 9
     yield "rope_rows", (_r(7, 2, 12), ang.cos(), ang.sin(), False)
     yield "rope_rows", (_r(7, 1, 8), ang.cos(), ang.sin(), True)
+    order = torch.argsort(torch.rand(5, 3, device=DEV).argsort(1).view(-1), stable=True)   # 5 tokens, K = 3
+    yield "moe_combine_fwd", (_r(15, 12), torch.rand(15, device=DEV, requires_grad=True), order // 3, 5, torch.float32)
+    lab = torch.tensor([0, 6, 3, 6], device=DEV)
+    yield "ce_lse", (_r(4, 7, grad=False), lab)
+    yield "ce_dlogits", (_r(4, 7, grad=False), _r(4, grad=False), lab, torch.rand(4, device=DEV))
 
 
 def test_opcheck_every_triton_custom_op():
@@ -53,7 +58,7 @@ def test_opcheck_every_triton_custom_op():
     for name, args in _cases():
         seen.add(name)
         torch.library.opcheck(getattr(torch.ops.dsv4, name).default, args)
-    assert seen >= {n for n in dir(torch.ops.dsv4) if n.endswith("_fwd")} | {"rope_rows"}
+    assert seen >= {n for n in dir(torch.ops.dsv4) if n.endswith("_fwd")} | {"rope_rows", "ce_lse", "ce_dlogits"}
 
 
 def test_get_op_names_what_is_missing(monkeypatch):
@@ -72,6 +77,7 @@ def _eager_calls():
     from dsv4.kernels.compressor import op as comp
     from dsv4.kernels.indexer import op as idx
     from dsv4.kernels.mhc import op as mhc
+    from dsv4.kernels.moe_combine import op as moe
     from dsv4.kernels.rmsnorm import op as rms
     from dsv4.kernels.rope import op as rope
     from dsv4.kernels.sparse_attn import op as sa
@@ -79,7 +85,7 @@ def _eager_calls():
     return {"sparse_attn_fwd": sa._sparse_attn, "compress_pool_fwd": comp._compress_pool,
             "indexer_scores_fwd": idx._scores, "indexer_scores_listed_fwd": idx._scores_listed,
             "hc_pre_fwd": mhc._hc_pre, "hc_post_fwd": mhc._hc_post, "clamped_swiglu_fwd": sw._swiglu,
-            "rms_norm_fwd": rms._rms_norm, "rope_rows": rope._rope_rows}
+            "rms_norm_fwd": rms._rms_norm, "rope_rows": rope._rope_rows, "moe_combine_fwd": moe._moe_combine}
 
 
 def _leaves(args):
@@ -120,9 +126,32 @@ def test_eager_calls_equal_the_custom_ops_bit_for_bit_and_skip_the_dispatcher():
                 assert x.grad is not None and torch.equal(x.grad, y.grad), name
         ops = dispatched_ops(lambda: calls[name](*_leaves(args)))
         assert not any(k.startswith(("rms_norm", "rope_rows", "hc_", "sparse_attn", "compress_pool", "indexer_scores",
-                                     "clamped_swiglu")) for k in ops), (name, ops)
+                                     "clamped_swiglu", "moe_combine")) for k in ops), (name, ops)
         with FakeTensorMode() as mode:
             fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
             out = calls[name](*fake)                   # the eager body would launch Triton on fake tensors
         assert all(type(o).__name__ == "FakeTensor" for o in (out if isinstance(out, tuple) else (out,))), name
     assert seen == set(calls)
+
+
+def test_cross_entropy_ops_eager_bodies_equal_the_custom_ops():
+    """The cross-entropy row ops carry no autograd (model/model.py `_HeadCrossEntropy` is the autograd.Function):
+    eager calls run the body directly, bit-equal to the custom op, dispatching no `dsv4::` op; traced calls
+    (fake tensors) are the custom op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dsv4.kernels._testing import dispatched_ops
+    from dsv4.kernels.cross_entropy import op as ce
+    K.prepare("triton", torch.device(DEV))
+    calls = {"ce_lse": ce.ce_lse, "ce_dlogits": ce.ce_dlogits}
+    for name, args in _cases():
+        if name not in calls:
+            continue
+        got = calls[name](*args)
+        ref = getattr(torch.ops.dsv4, name)(*args)
+        for a, b in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
+            assert torch.equal(a, b), name
+        assert not any(k.startswith("ce_") for k in dispatched_ops(lambda: calls[name](*args))), name
+        with FakeTensorMode() as mode:
+            out = calls[name](*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+        assert all(type(o).__name__ == "FakeTensor" for o in (out if isinstance(out, tuple) else (out,))), name

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.kernels import KernelUnavailable
+from dsv4.kernels.moe_combine import moe_combine
 from dsv4.kernels.swiglu import clamped_swiglu
 from dsv4.model.precision import autocast_dtype
 from dsv4.model.recompute import recomputing
@@ -156,21 +157,12 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [T, d], w [T, K], idx [T, K] -> [T, d] = sum_k w_k Expert_{idx_k}(x) (accumulated in fp32)."""
-        out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
         adt = autocast_dtype(x)                                                # the module comment's autocast rule
         w13, w2 = (self.w13, self.w2) if adt is None else (self.w13.to(adt), self.w2.to(adt))
         order = torch.argsort(idx.reshape(-1), stable=True)                    # token-slots grouped by expert
         tok = order // idx.shape[1]                                            # [T*K] token of each slot
         wk = w.reshape(-1)[order]                                              # [T*K] its routing weight
         mode = expert_gemm(self.gemm, x, w13, adt)
-        if mode == "dense":
-            E = w13.shape[0]
-            wt = torch.zeros(x.shape[0], E, dtype=w.dtype, device=x.device).scatter_add_(1, idx, w)   # [T, E]
-            for e in range(E):
-                gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)                # [T, f] each
-                y = F.linear(clamped_swiglu(gate, up, self.limit, backend=self.backend), w2[e])
-                out = out + y.to(out.dtype) * wt[:, e, None].to(out.dtype)
-            return out.to(x.dtype)
         if mode == "grouped":
             # one grouped GEMM per projection over the expert-sorted slots; no host sync
             counts = expert_counts(idx, w13.shape[0])
@@ -179,7 +171,16 @@ class Experts(nn.Module):
             gate, up = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
             h = clamped_swiglu(gate, up, self.limit, backend=self.backend)     # [T*K, f]
             y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)          # [T*K, d]
-            return out.index_add_(0, tok, y.to(out.dtype) * wk[:, None].to(out.dtype)).to(x.dtype)
+            return moe_combine(y, wk, tok, x.shape[0], x.dtype, backend=self.backend)   # sum_k w_k y_k in fp32
+        out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+        if mode == "dense":
+            E = w13.shape[0]
+            wt = torch.zeros(x.shape[0], E, dtype=w.dtype, device=x.device).scatter_add_(1, idx, w)   # [T, E]
+            for e in range(E):
+                gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)                # [T, f] each
+                y = F.linear(clamped_swiglu(gate, up, self.limit, backend=self.backend), w2[e])
+                out = out + y.to(out.dtype) * wt[:, e, None].to(out.dtype)
+            return out.to(x.dtype)
         counts = expert_counts(idx, w13.shape[0]).tolist()
         start = 0
         for e, c in enumerate(counts):
