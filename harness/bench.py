@@ -16,6 +16,9 @@ Per op (shapes = DSv4-Flash where the op has them; B = 1):
                bf16) fwd / bwd on each kernel backend (the fused rows' A/B, GEMMs included), and the row kernels
                alone on one [8192, 32768] bf16 block: TB/s over the block's bytes (lse reads it; dlogits reads it
                and writes it).
+  moe_combine  the grouped expert path's combine (kernels.moe_combine; T tokens in --tokens, K=4, d=2048, bf16
+               slots, fp32 weights) fwd / bwd on each backend: TB/s over the minimal bytes (fwd reads y, writes
+               out; bwd reads g once per slot and y, writes dy).
 Timing: `triton.testing.do_bench` (median, L2 flushed between runs); dense SDPA at S >= 32K: CUDA events,
 1 warm-up + 2 runs (a run takes seconds). Results carry provenance: git sha, torch/triton versions, GPU.
 `--smoke`: tiny sizes of compressor / mhc / swiglu, on CPU (Triton's interpreter) when no GPU is visible, one
@@ -35,8 +38,8 @@ from pathlib import Path
 import click
 
 SLICE_OF = {"sparse_attn": "D3", "indexer": "D3", "compressor": "D3", "mhc": "P2", "swiglu": "P5",
-            "cross_entropy": "D9"}
-OPS = ["sparse_attn", "indexer", "compressor", "mhc", "swiglu", "cross_entropy"]
+            "cross_entropy": "D9", "moe_combine": "P4"}
+OPS = ["sparse_attn", "indexer", "compressor", "mhc", "swiglu", "cross_entropy", "moe_combine"]
 
 
 def _provenance():
@@ -506,7 +509,31 @@ def _bench_cross_entropy(log, dev="cuda", smoke=False):
                                                 "head_bwd": n["head_bwd_ms"] / t["head_bwd_ms"]}}
 
 
-SMOKE_OPS = ("compressor", "mhc", "swiglu", "cross_entropy")
+# --------------------------------------------------------------------------------------------- MoE combine
+def _bench_moe_combine(tokens, log, dev="cuda", smoke=False):
+    import torch
+
+    from dsv4.kernels.moe_combine import moe_combine
+    K, d = 4, (16 if smoke else 2048)
+    rows = []
+    for T in tokens:
+        gen = torch.Generator(device=dev).manual_seed(6)
+        idx = torch.rand(T, 16, device=dev, generator=gen).argsort(1)[:, :K]            # [T, K] distinct experts
+        order = torch.argsort(idx.reshape(-1), stable=True)
+        tok = order // K
+        y = torch.randn(T * K, d, device=dev, generator=gen).to(torch.bfloat16).requires_grad_()
+        w = torch.rand(T * K, device=dev, generator=gen).requires_grad_()
+        X = T * d * 2                                                                    # one [T, d] bf16 tensor
+        for backend in ("triton", "naive"):
+            f, b = _fwd_bwd_on(dev, lambda: moe_combine(y, w, tok, T, torch.bfloat16, backend=backend), [y, w])
+            row = {"backend": backend, "tokens": T, "K": K, "d": d, "fwd_ms": f, "bwd_ms": b,
+                   "fwd_tbps": (K + 1) * X / f * 1e-9, "bwd_tbps": (3 * K) * X / b * 1e-9}
+            log(row)
+            rows.append(row)
+    return {"rows": rows, "bytes": "fwd: read y (K x [T, d]), write out; bwd: read g per slot and y, write dy"}
+
+
+SMOKE_OPS = ("compressor", "mhc", "swiglu", "cross_entropy", "moe_combine")
 
 
 @click.command("kernels")
@@ -577,6 +604,8 @@ def bench_cmd(as_json, out, out_dir, only, seqs, tokens, heads, dense_peer, isol
                 r = _bench_compressor(toks, dev, log, smoke)
             elif op == "mhc":
                 r = _bench_mhc(toks, dev, log, smoke)
+            elif op == "moe_combine":
+                r = _bench_moe_combine(toks, log, dev, smoke)
             elif op == "cross_entropy":
                 r = _bench_cross_entropy(log, dev, smoke)
             else:
