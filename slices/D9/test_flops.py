@@ -68,7 +68,8 @@ def _forward_counted(cfg, S):
     return m, counter
 
 
-MATMUL_CASES = {"debug": lambda: get_config("debug"), "dense_WEC-/WE": lambda: parse_pattern("WEC-/WE", "debug").cfg}
+MATMUL_CASES = {"debug": lambda: get_config("debug"), "tiny": lambda: get_config("tiny"),
+                "dense_WEC-/WE": lambda: parse_pattern("WEC-/WE", "debug").cfg}
 
 
 @pytest.mark.parametrize("name", list(MATMUL_CASES))
