@@ -97,6 +97,23 @@ def test_head_cross_entropy_gradcheck_fp64_through_triton():
 
 
 @pytest.mark.skipif(not CUDA, reason="bf16 kernels are judged on the GPU (the interpreter's bf16 stores truncate)")
+def test_full_vocab_partial_last_block_bf16_on_gpu():
+    """DSv4's vocabulary V = 129280 = 31 x 4096 + 2304: the GPU's BLOCK_V = 4096 loop ends on a partial block (the
+    proxy's V = 32768 divides evenly). Same tolerances as the proxy-shape test below."""
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(64, 129280, generator=g) * 3).to(torch.bfloat16).cuda()
+    labels = torch.randint(0, 129280, (64,), generator=g).cuda()
+    labels[0] = 129279                                                         # in the partial block
+    scale = torch.rand(64, generator=g).cuda()
+    lse_n, tgt_n = naive.ce_lse(logits, labels)
+    lse_t, tgt_t = T.ce_lse(logits, labels)
+    assert_rel("lse", lse_t, lse_n, 1e-6)
+    assert torch.equal(tgt_t, tgt_n)
+    assert_rel("dlogits", T.ce_dlogits(logits, lse_n, labels, scale), naive.ce_dlogits(logits, lse_n, labels, scale),
+               1e-2)
+
+
+@pytest.mark.skipif(not CUDA, reason="bf16 kernels are judged on the GPU (the interpreter's bf16 stores truncate)")
 def test_proxy_head_bf16_on_gpu():
     """The proxy head's block: C = 8192 rows, V = 32768, bf16 logits; Triton vs naive by relative norm (lse in
     fp32 from the same bf16 logits: 1e-6; dlogits rounded to bf16 once on each side: 1e-2)."""
