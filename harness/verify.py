@@ -25,6 +25,7 @@ from .errors import InputError, one_line
 from .registry import REPO, Registry, Slice
 
 PASS, REGRESSION, CANNOT_JUDGE, SKIPPED = "pass", "regression", "cannot-judge", "skipped"
+STALE_PATHS = ("model", "kernels")         # the code every golden case runs (harness/ only drives it)
 PLATFORM_DEVICE = {"cpu": "cpu", "h200": "cuda", "h100": "cuda", "gb200": "cuda"}
 
 
@@ -162,9 +163,17 @@ def golden_checks(sl: Slice, platform: str, mode: str) -> list[dict]:
         if case.scope == "same-host" and device == "cpu":
             made_on, here = golden["provenance"].get("host_fingerprint"), numerics.fingerprint()
             if made_on != here:
-                recs.append({"check": name, "kind": "golden", "verdict": "skip",
-                             "detail": f"same-host evidence, made on [{made_on}]; this host is [{here}]: not "
-                                       f"judged here (regen on this host to judge it)"})
+                sha = golden["provenance"].get("git_sha")
+                changed = code_changed_since(sha)
+                rec = {"check": name, "kind": "golden", "verdict": "skip", "same_host": True,
+                       "stale": bool(changed),
+                       "detail": f"same-host evidence, made on [{made_on}]; this host is [{here}]: not "
+                                 f"judged here (regen on this host to judge it)"}
+                if changed:
+                    rec["detail"] += (f"; {len(changed)} file(s) of {'/ '.join(STALE_PATHS)}/ changed since its "
+                                      f"commit {sha[:8]} (e.g. {changed[0]}): it may be stale, regen it on a "
+                                      f"[{made_on}] host to check")
+                recs.append(rec)
                 continue
         t0 = time.time()
         log(f"running golden case {sl.id}/{name} on {platform} ...")
@@ -177,6 +186,21 @@ def golden_checks(sl: Slice, platform: str, mode: str) -> list[dict]:
             continue
         recs += compare_outputs(name, golden["outputs"], out, case.tol, mode, time.time() - t0)
     return recs
+
+
+def code_changed_since(sha: str | None) -> list[str] | None:
+    """The source files under STALE_PATHS (tests and notes left out) that differ between commit `sha` and this
+    checkout; None when that cannot be told (no git, a shallow or foreign history, an unknown sha)."""
+    if not sha or len(sha) != 40:
+        return None
+    try:
+        r = subprocess.run(["git", "diff", "--name-only", sha, "--", *STALE_PATHS], cwd=REPO, capture_output=True,
+                           text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if r.returncode != 0:
+        return None
+    return [f for f in r.stdout.splitlines() if f.endswith(".py") and not Path(f).name.startswith("test_")]
 
 
 def compare_outputs(case: str, golden: dict, out: dict, tol: dict, mode: str = "deterministic", dt: float = 0.0,
@@ -276,6 +300,12 @@ def summary_lines(doc: dict) -> list[str]:
             lines.append(f"{verdict.upper()} {s['id']}: " + ("; ".join(
                 f"{r['check']}" + (f" ({r['detail']})" if r.get("detail") else "") for r in checks[:5])
                 + (f"; ... {len(checks) - 5} more" if len(checks) > 5 else "") if checks else "no checks"))
+    unjudged = [(s["id"], r) for s in doc["slices"] for r in s["checks"] if r.get("same_host")]
+    if unjudged:
+        stale = [f"{sid}/{r['check']}" for sid, r in unjudged if r.get("stale")]
+        lines.append(f"NOT JUDGED HERE: {len(unjudged)} same-host golden(s) made on another host"
+                     + (f"; {len(stale)} predate changes to {'/ '.join(STALE_PATHS)}/ and may be stale: "
+                        f"{', '.join(stale)} (regen each on its host to check)" if stale else ""))
     n = {v: sum(s["verdict"] == v for s in doc["slices"]) for v in (PASS, REGRESSION, CANNOT_JUDGE, SKIPPED)}
     lines.append(f"verify {doc['platform']}: {doc['verdict'].upper()} ({n[PASS]} pass, {n[REGRESSION]} regression, "
                  f"{n[CANNOT_JUDGE]} cannot judge, {n[SKIPPED]} not implemented) in {doc['elapsed_s']}s")

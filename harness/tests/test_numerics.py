@@ -79,6 +79,47 @@ def test_same_host_golden_judged_only_on_its_host(tmp_path, monkeypatch):
     assert rec["verdict"] == "cannot-judge"          # a slice whose only check was not judged is not a pass
 
 
+def test_unjudged_same_host_golden_is_flagged_when_model_code_changed_since(tmp_path, monkeypatch):
+    """On another host a same-host golden is skipped; the summary says so, and names it as possibly stale when
+    model/ or kernels/ changed since the golden's commit (how X1/lowp_curves_debug went stale unseen)."""
+    from dsv4.harness import verify as V
+    monkeypatch.setattr(G, "GOLDENS", tmp_path / "goldens")
+    s = fake_slice("Z3", tmp_path / "slices" / "Z3", golden_cases=["long"], cases=SAME_HOST)
+    reg = Registry([s])
+    V.regen(reg, s, "cpu")
+    path = G.case_path("cpu", "Z3", "long")
+    g = json.loads(path.read_text())
+    g["provenance"]["host_fingerprint"] = "Some Other CPU|AVX512|2.13.0"
+    g["provenance"]["git_sha"] = "a" * 40
+    path.write_text(json.dumps(g))
+    seen = []
+    monkeypatch.setattr(V, "code_changed_since", lambda sha: seen.append(sha) or ["model/moe.py"])
+    doc = V.verify(reg, ["Z3"], "cpu", "deterministic", run_tests=False)
+    chk = doc["slices"][0]["checks"][0]
+    assert seen == ["a" * 40] and chk["stale"] and "model/moe.py" in chk["detail"] and "may be stale" in chk["detail"]
+    lines = V.summary_lines(doc)
+    assert any(ln.startswith("NOT JUDGED HERE: 1 same-host") and "Z3/long" in ln for ln in lines), lines
+    monkeypatch.setattr(V, "code_changed_since", lambda sha: [])            # nothing changed: skipped, not stale
+    doc = V.verify(reg, ["Z3"], "cpu", "deterministic", run_tests=False)
+    assert not doc["slices"][0]["checks"][0]["stale"]
+    assert [ln for ln in V.summary_lines(doc) if ln.startswith("NOT JUDGED")] == [
+        "NOT JUDGED HERE: 1 same-host golden(s) made on another host"]
+
+
+def test_code_changed_since_reads_git():
+    """Against this checkout's own HEAD nothing under model/ kernels/ differs unless the tree is dirty there; an
+    unknown sha gives None (cannot tell), never a list."""
+    from dsv4.harness import verify as V
+    assert V.code_changed_since("f" * 40) is None and V.code_changed_since(None) is None
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    if len(head) != 40:
+        pytest.skip("no git history in this checkout")
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "model", "kernels"], cwd=REPO,
+                           capture_output=True, text=True).stdout.strip()
+    got = V.code_changed_since(head)
+    assert got is not None and (got == [] or dirty)
+
+
 def _portable_cases():
     reg = Registry.load()
     for sid in reg.order():
