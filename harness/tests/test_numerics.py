@@ -61,14 +61,20 @@ SAME_HOST = textwrap.dedent('''
 ''')
 
 
-def test_same_host_golden_judged_only_on_its_host(tmp_path, monkeypatch):
+def _same_host_golden(sid, tmp_path, monkeypatch):
+    """(registry, golden path, golden dict) of a fake slice `sid` whose one same-host golden was made here."""
     from dsv4.harness import verify as V
     monkeypatch.setattr(G, "GOLDENS", tmp_path / "goldens")
-    s = fake_slice("Z2", tmp_path / "slices" / "Z2", golden_cases=["long"], cases=SAME_HOST)
+    s = fake_slice(sid, tmp_path / "slices" / sid, golden_cases=["long"], cases=SAME_HOST)
     reg = Registry([s])
     V.regen(reg, s, "cpu")
-    path = G.case_path("cpu", "Z2", "long")
-    g = json.loads(path.read_text())
+    path = G.case_path("cpu", sid, "long")
+    return reg, path, json.loads(path.read_text())
+
+
+def test_same_host_golden_judged_only_on_its_host(tmp_path, monkeypatch):
+    from dsv4.harness import verify as V
+    reg, path, g = _same_host_golden("Z2", tmp_path, monkeypatch)
     assert g["scope"] == "same-host" and g["provenance"]["host_fingerprint"] == N.fingerprint()
     doc = V.verify(reg, ["Z2"], "cpu", "deterministic", run_tests=False)
     assert doc["exit_code"] == 0 and doc["slices"][0]["checks"][0]["verdict"] == "pass"     # judged, exact
@@ -83,12 +89,7 @@ def test_unjudged_same_host_golden_is_flagged_when_model_code_changed_since(tmp_
     """On another host a same-host golden is skipped; the summary says so, and names it as possibly stale when
     model/ or kernels/ changed since the golden's commit (how X1/lowp_curves_debug went stale unseen)."""
     from dsv4.harness import verify as V
-    monkeypatch.setattr(G, "GOLDENS", tmp_path / "goldens")
-    s = fake_slice("Z3", tmp_path / "slices" / "Z3", golden_cases=["long"], cases=SAME_HOST)
-    reg = Registry([s])
-    V.regen(reg, s, "cpu")
-    path = G.case_path("cpu", "Z3", "long")
-    g = json.loads(path.read_text())
+    reg, path, g = _same_host_golden("Z3", tmp_path, monkeypatch)
     g["provenance"]["host_fingerprint"] = "Some Other CPU|AVX512|2.13.0"
     g["provenance"]["git_sha"] = "a" * 40
     path.write_text(json.dumps(g))

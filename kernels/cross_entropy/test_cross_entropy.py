@@ -96,34 +96,33 @@ def test_head_cross_entropy_gradcheck_fp64_through_triton():
     assert torch.autograd.gradcheck(lambda a, b: head_cross_entropy(a, b, lab, chunk=4, backend="triton"), (y, W))
 
 
-@pytest.mark.skipif(not CUDA, reason="bf16 kernels are judged on the GPU (the interpreter's bf16 stores truncate)")
+GPU_ONLY = pytest.mark.skipif(not CUDA, reason="bf16 kernels are judged on the GPU (the interpreter's bf16 stores truncate)")
+
+
+def _bf16_rows_on_gpu(C, V, seed):
+    """Triton vs naive on a bf16 [C, V] block by relative norm: lse in fp32 from the same bf16 logits (1e-6), the
+    target logit exact, dlogits rounded to bf16 once on each side (1e-2). labels[0] = V - 1, the last column."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(C, V, generator=g) * 3).to(torch.bfloat16).cuda()
+    labels = torch.randint(0, V, (C,), generator=g).cuda()
+    labels[0] = V - 1
+    scale = torch.rand(C, generator=g).cuda()
+    lse_n, tgt_n = naive.ce_lse(logits, labels)
+    lse_t, tgt_t = T.ce_lse(logits, labels)
+    assert_rel("lse", lse_t, lse_n, 1e-6)
+    assert torch.equal(tgt_t, tgt_n)
+    assert_rel("dlogits", T.ce_dlogits(logits, lse_n, labels, scale), naive.ce_dlogits(logits, lse_n, labels, scale),
+               1e-2)
+
+
+@GPU_ONLY
 def test_full_vocab_partial_last_block_bf16_on_gpu():
     """DSv4's vocabulary V = 129280 = 31 x 4096 + 2304: the GPU's BLOCK_V = 4096 loop ends on a partial block (the
-    proxy's V = 32768 divides evenly). Same tolerances as the proxy-shape test below."""
-    g = torch.Generator().manual_seed(1)
-    logits = (torch.randn(64, 129280, generator=g) * 3).to(torch.bfloat16).cuda()
-    labels = torch.randint(0, 129280, (64,), generator=g).cuda()
-    labels[0] = 129279                                                         # in the partial block
-    scale = torch.rand(64, generator=g).cuda()
-    lse_n, tgt_n = naive.ce_lse(logits, labels)
-    lse_t, tgt_t = T.ce_lse(logits, labels)
-    assert_rel("lse", lse_t, lse_n, 1e-6)
-    assert torch.equal(tgt_t, tgt_n)
-    assert_rel("dlogits", T.ce_dlogits(logits, lse_n, labels, scale), naive.ce_dlogits(logits, lse_n, labels, scale),
-               1e-2)
+    proxy's V = 32768 divides evenly)."""
+    _bf16_rows_on_gpu(64, 129280, 1)
 
 
-@pytest.mark.skipif(not CUDA, reason="bf16 kernels are judged on the GPU (the interpreter's bf16 stores truncate)")
+@GPU_ONLY
 def test_proxy_head_bf16_on_gpu():
-    """The proxy head's block: C = 8192 rows, V = 32768, bf16 logits; Triton vs naive by relative norm (lse in
-    fp32 from the same bf16 logits: 1e-6; dlogits rounded to bf16 once on each side: 1e-2)."""
-    g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(8192, 32768, generator=g) * 3).to(torch.bfloat16).cuda()
-    labels = torch.randint(0, 32768, (8192,), generator=g).cuda()
-    scale = torch.rand(8192, generator=g).cuda()
-    lse_n, tgt_n = naive.ce_lse(logits, labels)
-    lse_t, tgt_t = T.ce_lse(logits, labels)
-    assert_rel("lse", lse_t, lse_n, 1e-6)
-    assert torch.equal(tgt_t, tgt_n)
-    assert_rel("dlogits", T.ce_dlogits(logits, lse_n, labels, scale), naive.ce_dlogits(logits, lse_n, labels, scale),
-               1e-2)
+    """The proxy head's block: C = 8192 rows, V = 32768."""
+    _bf16_rows_on_gpu(8192, 32768, 0)
