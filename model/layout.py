@@ -42,39 +42,64 @@ def _check_cu(name: str, cu: torch.Tensor) -> None:
         raise LayoutError(f"{name}: must be non-decreasing, got {cu.tolist()}")
 
 
-def seg_pos_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None,
-                            cu_seqlens_padded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(seg [T], pos [T]) of a packed stream; T = `total` (default: the last offset); trailing tokens = padding."""
-    cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.long).cpu()
-    _check_cu("cu_seqlens", cu_seqlens)
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]                                     # [n_docs] real lengths
-    if cu_seqlens_padded is None:
-        starts = cu_seqlens[:-1]
-        end = int(cu_seqlens[-1])
+def _host_offsets(cu_seqlens, total: int | None, cu_seqlens_padded=None):
+    """The checked offsets of a packed stream on the host: (cu [n+1], slot starts / ends cup [n+1], T) as long
+    CPU tensors (cup = cu without padding; a trailing dummy sequence's entry dropped). Device tensors are copied
+    to the host in ONE transfer (one synchronisation); every check is a host computation."""
+    given = [torch.as_tensor(x) for x in (cu_seqlens, cu_seqlens_padded) if x is not None]
+    if len(given) == 2 and given[0].dim() == given[1].dim() == 1 and given[0].dtype == given[1].dtype \
+            and given[0].device == given[1].device:
+        host = torch.cat(given).cpu()                                           # one copy
+        given = [host[:given[0].numel()], host[given[0].numel():]]
     else:
-        cup = torch.as_tensor(cu_seqlens_padded, dtype=torch.long).cpu()
+        given = [x.cpu() for x in given]
+    cu, cup = given[0], (given[1] if len(given) == 2 else None)
+    _check_cu("cu_seqlens", cu)
+    cu = cu.long()
+    lens = cu[1:] - cu[:-1]                                                     # [n_docs] real lengths
+    if cup is None:
+        cup = cu
+        end = int(cu[-1])
+    else:
         _check_cu("cu_seqlens_padded", cup)
+        cup = cup.long()
         end = int(cup[-1])
-        if cup.numel() == cu_seqlens.numel() + 1:
+        if cup.numel() == cu.numel() + 1:
             cup = cup[:-1]                                                      # a trailing dummy sequence
-        elif cup.numel() != cu_seqlens.numel():
+        elif cup.numel() != cu.numel():
             raise LayoutError(f"cu_seqlens_padded: has {cup.numel()} entries, cu_seqlens "
-                              f"{cu_seqlens.numel()} (or one more: a trailing dummy sequence)")
+                              f"{cu.numel()} (or one more: a trailing dummy sequence)")
         if bool(((cup[1:] - cup[:-1]) < lens).any()):
             raise LayoutError("cu_seqlens_padded: a padded length is shorter than its real length")
-        starts = cup[:-1]
     T = end if total is None else int(total)
     if T < end:
         raise LayoutError(f"total: {T} tokens is shorter than the packed documents ({end})")
-    seg = torch.full((T,), -1, dtype=torch.long)
-    pos = torch.zeros(T, dtype=torch.long)
-    doc = torch.repeat_interleave(torch.arange(lens.numel()), lens)             # [sum len] doc id per real token
-    first = torch.repeat_interleave(cu_seqlens[:-1], lens)                      # real-token offset of its doc
-    p = torch.arange(int(cu_seqlens[-1])) - first                               # position inside the doc
-    idx = starts[doc] + p                                                       # slot in the stream
-    seg[idx] = doc
-    pos[idx] = p
-    return seg, pos
+    return cu, cup, T
+
+
+def seg_pos_of_offsets(cu: torch.Tensor, cup: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seg [T], pos [T]) from checked offsets cu / cup [n+1] (real / padded; equal without padding), on their
+    device, with static shapes and no host synchronisation: token t lies in the padded slot i with
+    cup[i] <= t < cup[i+1]; it is real (seg i, pos t - cup[i]) when t - cup[i] < cu[i+1] - cu[i], else padding
+    (seg -1, pos 0). Zero-length slots hold no token (searchsorted skips them)."""
+    n = cu.numel() - 1
+    t = torch.arange(total, device=cu.device)                                   # [T]
+    if n == 0:
+        return torch.full_like(t, -1), torch.zeros_like(t)
+    cu, cup = cu.long(), cup.long()
+    doc = torch.searchsorted(cup[1:].contiguous(), t, right=True)               # [T] slot holding token t (n: past)
+    doc_c = doc.clamp(max=n - 1)
+    pos = t - cup[doc_c]                                                        # [T] offset inside the slot
+    inside = (doc < n) & (pos < cu[doc_c + 1] - cu[doc_c])
+    return torch.where(inside, doc_c, -1), torch.where(inside, pos, 0)
+
+
+def seg_pos_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None,
+                            cu_seqlens_padded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seg [T], pos [T]) of a packed stream, on the host; T = `total` (default: the last offset); trailing
+    tokens = padding. Checks the offsets (LayoutError naming the field)."""
+    cu, cup, T = _host_offsets(cu_seqlens, total, cu_seqlens_padded)
+    return seg_pos_of_offsets(cu, cup, T)
 
 
 QKV_FORMATS = ("thd", "sbhd")      # Megatron-Core PackedSeqParams.qkv_format values DSv4 reads
@@ -128,7 +153,8 @@ def roll_packed(x: torch.Tensor, seg: torch.Tensor, fill: float = 0) -> tuple[to
 class Layout:
     """The documents of a token batch [B, S] (flattened row-major to T = B*S tokens), single rank.
 
-    seg / pos / rope_pos [T] (long, on the tokens' device); `shape` = (B, S); cu_seqlens (+ padded) as given.
+    seg / pos / rope_pos [T] (long, on the tokens' device); `shape` = (B, S); cu_seqlens (+ padded: the slot
+    offsets, a trailing dummy sequence's entry dropped) on the host.
     """
     seg: torch.Tensor
     pos: torch.Tensor
@@ -162,14 +188,23 @@ class Layout:
         """The documents of `cu_seqlens` (+ `cu_seqlens_padded`) in the B*S tokens of a [B, S] batch (a document
         must not cross a row when B > 1)."""
         B, S = shape
-        seg, pos = seg_pos_from_cu_seqlens(cu_seqlens, B * S, cu_seqlens_padded)
-        if B > 1:
-            rows = seg.view(B, S)
-            if bool(((rows[1:, 0] >= 0) & (rows[1:, 0] == rows[:-1, -1])).any()):
+        cu, cup, T = _host_offsets(cu_seqlens, B * S, cu_seqlens_padded)     # checks: one copy to the host
+        if B > 1:                                                               # first / last token's row
+            lens = cu[1:] - cu[:-1]
+            real = lens > 0
+            if bool(((cup[:-1] // S != (cup[:-1] + lens - 1) // S) & real).any()):
                 raise LayoutError("cu_seqlens: a document crosses a row of the [B, S] batch")
-        cu = torch.as_tensor(cu_seqlens).cpu()
-        cup = None if cu_seqlens_padded is None else torch.as_tensor(cu_seqlens_padded).cpu()
-        return cls(seg.to(device), pos.to(device), (B, S), cu, cup)
+        # seg / pos on the tokens' device: from the given offsets where they already live there (no copy),
+        # else from a non-blocking copy of the checked host offsets
+        dev = torch.device(device) if device is not None else torch.as_tensor(cu_seqlens).device
+        given = [torch.as_tensor(x) for x in (cu_seqlens, cu_seqlens_padded) if x is not None]
+        if all(x.device == dev for x in given):
+            cu_d = given[0]
+            cup_d = given[-1][:cu_d.numel()]                                    # (a trailing dummy entry dropped)
+        else:
+            cu_d, cup_d = (x.to(dev, non_blocking=True) for x in (cu, cup))
+        seg, pos = seg_pos_of_offsets(cu_d, cup_d, T)
+        return cls(seg, pos, (B, S), cu, None if cu_seqlens_padded is None else cup)
 
     @classmethod
     def from_static_buffer(cls, buf: torch.Tensor, shape: tuple[int, int]) -> "Layout":

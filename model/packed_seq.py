@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .layout import seg_pos_of_offsets
+
 ROWS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 
 
@@ -89,12 +91,4 @@ def make_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None
 def seg_pos_static(buf: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(seg [T], pos [T]) of the packed stream described by `buf`, with no host synchronisation and static
     shapes, so it can run inside a captured CUDA graph. Same result as model.layout.seg_pos_from_cu_seqlens."""
-    cu, cup = buf[0].long(), buf[2].long()                                   # real / padded offsets [n+1]
-    t = torch.arange(total, device=buf.device)                               # [T]
-    doc = torch.searchsorted(cup[1:].contiguous(), t, right=True)            # [T] slot holding token t
-    doc_c = doc.clamp(max=cup.numel() - 2)
-    pos = t - cup[doc_c]                                                      # offset inside the slot
-    real = cu[doc_c + 1] - cu[doc_c]                                          # real length of that document
-    inside = (doc < cup.numel() - 1) & (pos < real)
-    seg = torch.where(inside, doc_c, torch.full_like(doc_c, -1))
-    return seg, torch.where(inside, pos, torch.zeros_like(pos))
+    return seg_pos_of_offsets(buf[0], buf[2], total)                         # real / padded offsets [n+1]
