@@ -86,7 +86,7 @@ def test_rows_of_a_batch_and_the_checks():
 def test_packed_layout_host_syncs(where):
     """Offsets on the host: seg / pos are computed on the GPU from non-blocking copies, no synchronisation.
     Offsets on the GPU (the bench, Megatron's PackedSeqParams): one copy to the host for the checks."""
-    cu, cup = [0, 300, 900, 1500], [0, 512, 1024, 2048]
+    cu, cup = [0, 300, 800, 1500], [0, 512, 1024, 2048]                  # slots of 512, 512, 1024
     dev = "cpu" if where == "host" else "cuda"
     args = (torch.tensor(cu, dtype=torch.int32, device=dev), (1, 2048), torch.tensor(cup, dtype=torch.int32, device=dev))
     Layout.packed(*args, device="cuda")                                     # warm-up (allocator, kernels)
