@@ -40,16 +40,26 @@ def _pool_cfgs(nits):
             for be in (1, 2, 4, 8, 16, 32, 64) for bd in (32, 64, 128, 256) for w in (4, 8) for nit in nits]
 
 
+def _loop_cfgs():
+    """Forward configs of the slot-loop form (LOOP): [BE, BD] tiles of 8-32 fp32 elements per thread, one program
+    per BE slots x BD channels, the loop over the window's rows software-pipelined (stages 2 / 3)."""
+    return [dict(BE=be, BD=bd, NIT=1, LOOP=True, num_warps=w, num_stages=st)
+            for be, bd, w in ((4, 256, 4), (8, 128, 4), (8, 256, 4), (4, 512, 4), (16, 128, 4), (16, 256, 8),
+                              (8, 512, 8), (32, 128, 8), (32, 256, 8)) for st in (2, 3)]
+
+
 def _fits(cfgs, args):
-    """The configs whose tile is 32 elements per thread, BD at most the channel count (>= 64 unless the slots or
-    channels are few); only the first of them for a problem under 2^22 slot elements (not worth tuning)."""
+    """The configs whose tile is 32 elements per thread (LOOP: any [BE, BD] tile), BD at most the channel count
+    (>= 64 unless the slots or channels are few); only the first of them for a problem under 2^22 slot elements
+    (not worth tuning)."""
     mp, dp = args["MP"], pow2(args["D"])
-    kept = [c for c in cfgs if c.kwargs["BE"] * mp * c.kwargs["BD"] == 1024 * c.num_warps
+    kept = [c for c in cfgs if (c.kwargs.get("LOOP") or c.kwargs["BE"] * mp * c.kwargs["BD"] == 1024 * c.num_warps)
             and c.kwargs["BD"] <= max(64, dp) and (c.kwargs["BD"] >= 64 or mp >= 64 or dp < 64)]
     return kept if args["N"] * mp * args["D"] >= 1 << 22 else kept[:1]
 
 
-_FWD = configs(gpu=_pool_cfgs((1, 4)), cpu=dict(BE=2, BD=16, NIT=2), prune=_fits)
+_FWD = configs(gpu=[dict(c, LOOP=False) for c in _pool_cfgs((1, 4))] + _loop_cfgs(),
+               cpu=dict(BE=2, BD=16, NIT=2, LOOP=True), prune=_fits)
 _BWD = configs(gpu=_pool_cfgs((2, 8)), cpu=dict(BE=2, BD=16, NIT=2), prune=_fits)
 _KEY = ["m", "D", "NK", "OVERLAP", "MP"]                  # NK: log2 bucket of the slot count (key only)
 
@@ -127,17 +137,68 @@ def _softmax(GATE, KV, APE, off, ape_off, mask, ok, dm):
     return a, c
 
 
+@triton.jit
+def _pool_online(KV, GATE, APE, R0, HP, e, N, m, D, W, d0, OVERLAP: tl.constexpr, BE: tl.constexpr,
+                 BD: tl.constexpr):
+    """The LOOP form: pooled [BE, BD] of slots e, a loop over the window's rows r (CSA: 2m, the first m from the
+    previous window's first channel half; HCA: m) with [BE, BD] tiles and an online softmax per element (the
+    reductions stay inside each thread; each row read is BD contiguous channels of BE slots)."""
+    emask = e < N
+    r0 = tl.load(R0 + e, mask=emask, other=-1)
+    ev = r0 >= 0                                                                # [BE] slot holds an entry
+    offs_d = d0 + tl.arange(0, BD)
+    dmask = offs_d < D
+    if OVERLAP:
+        hp = tl.load(HP + e, mask=emask, other=0) != 0
+        nr = 2 * m
+    else:
+        hp = ev
+        nr = m
+    mx = tl.full([BE, BD], float("-inf"), tl.float32)
+    den = tl.zeros([BE, BD], tl.float32)
+    acc = tl.zeros([BE, BD], tl.float32)
+    for r in range(0, nr):
+        if OVERLAP:
+            cur = (r >= m).to(tl.int32)                                         # 1: the entry's own window
+            row = r0 - m + r                                                    # [BE] rows r0-m .. r0+m-1
+            ok = ev & ((hp.to(tl.int32) + cur) > 0)
+            chan = offs_d + cur * D                                             # [BD] first / second half
+        else:
+            row = r0 + r
+            ok = ev
+            chan = offs_d
+        msk = ok[:, None] & dmask[None, :]
+        off = row[:, None].to(tl.int64) * W + chan[None, :]                     # [BE, BD]
+        z = tl.load(GATE + off, mask=msk, other=0.0).to(tl.float32) + \
+            tl.load(APE + (r % m) * W + chan, mask=dmask, other=0.0)[None, :]
+        z = tl.where(msk, z, float("-inf"))
+        c = tl.load(KV + off, mask=msk, other=0.0).to(tl.float32)
+        m_new = tl.maximum(mx, z)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)                    # no row yet: every exp is 0
+        alpha = tl.exp(mx - m_ref)
+        p = tl.exp(z - m_ref)
+        den = den * alpha + p
+        acc = acc * alpha + p * c
+        mx = m_new
+    return tl.where(ev[:, None] & (den > 0), acc / tl.where(den > 0, den, 1.0), 0.0)
+
+
 @triton.autotune(**_FWD, key=_KEY)
 @triton.jit
 def _pool_fwd(KV, GATE, APE, R0, HP, OUT, N, m, D, W, NK,
-              OVERLAP: tl.constexpr, MP: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, NIT: tl.constexpr):
+              OVERLAP: tl.constexpr, MP: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, NIT: tl.constexpr,
+              LOOP: tl.constexpr):
     d0 = tl.program_id(1) * BD
     for it in range(NIT):
         e = (tl.program_id(0) * NIT + it) * BE + tl.arange(0, BE)
-        off, ape_off, mask, ok, ev, offs_d = _tile(R0, HP, e, N, m, D, W, OVERLAP, MP, d0, BD)
-        dm = (offs_d[None, :] < D) & (tl.arange(0, MP)[:, None] >= 0)
-        a, c = _softmax(GATE, KV, APE, off, ape_off, mask, ok, dm)
-        out = tl.where(ev[:, None], tl.sum(a * c, 1), 0.0)                      # [BE, BD]
+        if LOOP:
+            out = _pool_online(KV, GATE, APE, R0, HP, e, N, m, D, W, d0, OVERLAP, BE, BD)
+            offs_d = d0 + tl.arange(0, BD)
+        else:                                                                   # the [BE, MP, BD] tile form
+            off, ape_off, mask, ok, ev, offs_d = _tile(R0, HP, e, N, m, D, W, OVERLAP, MP, d0, BD)
+            dm = (offs_d[None, :] < D) & (tl.arange(0, MP)[:, None] >= 0)
+            a, c = _softmax(GATE, KV, APE, off, ape_off, mask, ok, dm)
+            out = tl.where(ev[:, None], tl.sum(a * c, 1), 0.0)                  # [BE, BD]
         tl.store(OUT + e[:, None].to(tl.int64) * D + offs_d[None, :], out.to(OUT.dtype.element_ty),
                  mask=(e < N)[:, None] & (offs_d < D)[None, :])
 
