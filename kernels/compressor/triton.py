@@ -10,7 +10,9 @@ Three kernels, no PyTorch gather of rows:
                 window), r >= m = rows r0+r-m, SECOND half. Consecutive slots of a document cover consecutive
                 rows, so a program streams one contiguous token block (both halves; the CSA first half shifted by
                 one window) and every (token, channel) element is read by at most one entry: no element is read
-                twice, none is gathered into a copy. Softmax over the slots in fp32 per channel.
+                twice, none is gathered into a copy. Softmax over the slots in fp32 per channel. Two forms, timed
+                against each other by the autotuner: the [BE, MP, BD] tile (softmax over its middle axis) and
+                LOOP (`_pool_online`: a loop over the window's rows with [BE, BD] tiles, online softmax).
   `_pool_bwd`   the same tiles: recomputes α, writes d value = α dout and d logit = α dout (value - out) in
                 place (each element belongs to at most one entry: plain stores, deterministic), and sums d logit
                 over its slots into a per-program d ape partial [m, coff*D] (fp32; reduced by one PyTorch sum
