@@ -1,7 +1,9 @@
 """Triton sparse attention vs the naive reference (spec §5.2-5.3) on packed streams: window-only, CSA (gathered
 top-k entries, with -1, not-yet-complete and other-document picks) and HCA (every visible entry); one document,
 several documents with padding, and a left halo (q_offset, the CP layout); output and gradients of q, kv, comp,
-sink. CPU: Triton interpreter, tiny odd shapes, fp32. GPU: DSv4 shapes (H=64, c=512, window 128), bf16."""
+sink. CSA with several queries a program (H <= 16) streams the union of their picks: `csa_union` against a Python
+oracle, the union programs against naive with picks that neighbouring queries share in part. CPU: Triton
+interpreter, tiny odd shapes, fp32. GPU: DSv4 shapes (H=64, c=512, window 128) and `proxy` ones (H=16), bf16."""
 from dsv4.kernels._testing import CUDA, assert_close, assert_rel, packed_meta, use_interpreter
 
 use_interpreter()
@@ -16,8 +18,9 @@ from dsv4.kernels.sparse_attn import sparse_attn  # noqa: E402
 DEV = "cuda" if CUDA else "cpu"
 LAYOUTS = {"one_doc": ([13], None, 0), "packed": ([5, 11, 2, 9], [2, 0, 3, 1], 0), "halo": ([7, 12, 6], [0, 1, 0], 4)}
 # H below the kernel's rows per program (16 on the interpreter, 32 / 64 on the GPU) packs several queries into a
-# program (H=3: 4 queries of 4 head rows, one empty); H=16 on the interpreter is one query per program, the DSv4
-# H=64 path on the GPU; `proxy` (H=16) runs 4 queries per forward program and 2 per backward one on the GPU.
+# program (H=3: 4 queries of 4 head rows, one empty; CSA: the union of their picks); H=16 on the interpreter is one
+# query per program, the DSv4 H=64 path on the GPU; `proxy` (H=16) on the GPU: the tuner picks per mode and pass
+# between 4 queries a forward program (2 a backward one) and one.
 TINY = dict(H=3, c=24, window=5, dtype=torch.float32)
 TINY16 = dict(H=16, c=24, window=5, dtype=torch.float32)
 REAL = dict(H=64, c=512, window=128, dtype=torch.bfloat16)
@@ -215,6 +218,24 @@ def test_csa_union_path_matches_naive(H, layout):
         assert_close(n, a, b, 5e-5, 1e-4)
 
 
+def test_pinned_configs_match_naive():
+    """`triton.sparse_attn(configs=...)` launches exactly the given configs (the GPU test below pins the union and
+    the one-query programs with it): here the interpreter's union programs with 32-entry union tiles."""
+    from dsv4.kernels.sparse_attn import triton as T
+    if CUDA:
+        pytest.skip("interpreter configs")
+    (q, kv, comp, idx, sink), meta = _union_case([5, 11, 2, 9], [2, 0, 3, 1], 0, **TINY, ratio=3, k=5)
+    pins = (dict(BH=16, BN=32, num_warps=4, num_stages=1), dict(BH=16, BN=32, DKT=False, num_warps=4, num_stages=1))
+    args = (q, kv, comp, idx, sink, TINY["window"], 3, 24 ** -0.5, meta["seg"], meta["pos"], meta["entry_seg"],
+            meta["entry_j"])
+    o = T.sparse_attn(*args, configs=pins)
+    ref = sparse_attn(*args, backend="naive")
+    ins = (q, kv, comp, sink)
+    assert_close("o", o, ref, 2e-5, 1e-5)
+    for n, a, b in zip(("dq", "dkv", "dcomp", "dsink"), _grads(o, ins), _grads(ref, ins)):
+        assert_close(n, a, b, 5e-5, 1e-4)
+
+
 # the GPU configs that pin each path at H = 16 (the tuner picks by time): union programs (4 queries a forward
 # program, 2 a backward one) and one query a program
 UNION16 = (dict(BH=64, BN=64, num_warps=8, num_stages=2), dict(BH=32, BN=32, DKT=False, num_warps=8, num_stages=1))
@@ -228,7 +249,7 @@ def test_csa_union_gpu_proxy(S):
     (pinned) against one query a program (pinned) at 4K and 16K, and against naive at 4K (naive's [Tq, k, c]
     gather at 16K is 16 GB fp32)."""
     from dsv4.kernels.sparse_attn import triton as T
-    (q, kv, comp, idx, sink), meta = _union_case([S], None, 0, **REAL16, ratio=4, k=512, noise=0.05)
+    (q, kv, comp, idx, sink), meta = _union_case([S], None, 0, **REAL16, ratio=4, k=512)
     scale = 512 ** -0.5
     args = (q, kv, comp, idx, sink, 128, 4, scale, meta["seg"], meta["pos"], meta["entry_seg"], meta["entry_j"])
     ins = (q, kv, comp, sink)
@@ -236,10 +257,11 @@ def test_csa_union_gpu_proxy(S):
     g_u = _grads(o_u, ins)
     o_1 = T.sparse_attn(*args, configs=ONE16)
     g_1 = _grads(o_1, ins)
-    # two bf16 kernels with different summation orders: half the bounds against naive (test_triton_matches_naive)
-    assert_rel("o union vs one", o_u, o_1, 5e-3)
+    # two bf16 kernels (P, dS rounded to bf16 alike, fp32 sums in different orders): the bounds against naive
+    # (test_triton_matches_naive), not measured for this pair
+    assert_rel("o union vs one", o_u, o_1, 1e-2)
     for n, a, b in zip(("dq", "dkv", "dcomp", "dsink"), g_u, g_1):
-        assert_rel(f"{n} union vs one", a, b, 2.5e-2 if n == "dcomp" else 1e-2)
+        assert_rel(f"{n} union vs one", a, b, 5e-2 if n == "dcomp" else 2e-2)
     if S == 4096:
         ref = sparse_attn(q, kv, comp, idx, sink, 128, 4, scale, **meta, backend="naive")
         assert_rel("o", o_u, ref, 1e-2)
