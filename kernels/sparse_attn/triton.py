@@ -25,20 +25,21 @@ entry is visible to that query. Neighbouring queries' picks overlap, so the unio
 tiles are full BH-row dots with little masking (dKV: one atomic per union entry in the backward); with picks that
 do not overlap it is up to QB x the MMA work of the one-query programs. Which is faster depends on the overlap,
 so the tuner decides: for CSA the prune keeps the one-query configs (BH == HB) and the union configs (BH == UBH,
-the pass's union rows: 64 forward, 32 backward, 16 on the interpreter), and the launcher builds the union for
-QB = UBH / HB before the launch (every union config of a pass has that BH). At H = 16 that is 4 queries a forward
-program against 1, 2 a backward one against 1, timed per pass on the first call of a tune key (H, c, mode, HB:
-not the length), so that call's picks decide; at H = 64 (BH == HB == UBH) the configs and the one-query code are
-those the kernel always had. Each pass builds its own union
-(forward and backward groups differ: the backward's BH = 64 does not fit shared memory), on every call, also when
-the tuner then runs one-query programs (a sort of Tq * k keys: its cost is in the A/B's call times, not in the
-tuner's per-config kernel times). A group is at most 32 queries (the int32 mask): for CSA HB >= BH / 32.
+the pass's union rows: 64 forward, 32 backward, 16 on the interpreter; QB = UBH / HB), at H = 16 4 queries a
+forward program against 1 and 2 a backward one against 1, timed per pass on the first call of a tune key (H, c,
+mode, HB: not the length), so that call's picks decide. At H = 64 (BH == HB == UBH) the configs and the one-query
+code are those the kernel always had. The launcher allocates the union's buffers; a pre_hook of the union configs
+(`_fill_union`) builds the union into them before each launch that reads it: per pass (the forward's and the
+backward's groups differ: the backward's BH = 64 does not fit shared memory), never when one-query programs won,
+and the tuner's time of a union config includes building it (a sort of Tq * k keys). A group is at most 32
+queries (the int32 mask): for CSA HB >= BH / 32.
 
 A key tile's load is masked by its address range only (rows <= u, listed idx >= 0, the slot range); visibility
 (document, window, entry completeness, from seg / pos / entry_seg / entry_j) masks the logits, so the tile load
-never waits on the metadata gathers (two levels of indirection stall the software pipeline). Keys stream in tiles of BN
-rows (window rows are contiguous, CSA rows are gathered by index, HCA rows are contiguous), online softmax in the
-exp2 domain, seeded with the sink (running max = sink, running sum = 1), so a query with no key is well defined.
+never waits on the metadata gathers (two levels of indirection stall the software pipeline). Keys stream in tiles
+of BN rows (window rows are contiguous, CSA rows are gathered by index, HCA rows are contiguous), online softmax in
+the exp2 domain, seeded with the sink (running max = sink, running sum = 1), so a query with no key is well
+defined.
 
 Backward (one fused kernel, FA2 style with the stored log-sum-exp): per key tile recompute P, dP = dO Vᵀ,
 dS = P (dP - delta) * scale; dQ += dS K stays in registers; dKV_tile = dSᵀ Q + Pᵀ dO (K = V, the heads of the
@@ -79,17 +80,27 @@ def _bh_at_least_hb(cfgs, args):
     return [c for c in cfgs if c.kwargs["BH"] >= args["HB"]]
 
 
+def _fill_union(args):
+    """pre_hook of the configs that can be union programs (BH == UBH): before a several-query CSA launch (BH > HB)
+    fill UIDX / UBITS / ULEN, which the launcher allocated, with `csa_union` for QB = BH / HB; otherwise (one
+    query a program, window / HCA) nothing. So the union is built only for launches that read it, and the tuner's
+    time of a union config includes building it."""
+    if args["MODE"] == MODE_IDX and args["BH"] > args["HB"]:
+        csa_union(args["IDX"], args["BH"] // args["HB"], out=(args["UIDX"], args["UBITS"], args["ULEN"]))
+
+
 _FWD_CONFIGS = configs(
-    gpu=[dict(BH=_FWD_BH, BN=64, num_warps=8, num_stages=2), dict(BH=_FWD_BH, BN=32, num_warps=8, num_stages=2),
-         dict(BH=_FWD_BH, BN=32, num_warps=8, num_stages=3),
+    gpu=[dict(BH=_FWD_BH, BN=64, num_warps=8, num_stages=2, pre_hook=_fill_union),
+         dict(BH=_FWD_BH, BN=32, num_warps=8, num_stages=2, pre_hook=_fill_union),
+         dict(BH=_FWD_BH, BN=32, num_warps=8, num_stages=3, pre_hook=_fill_union),
          dict(BH=16, BN=64, num_warps=8, num_stages=2), dict(BH=16, BN=32, num_warps=4, num_stages=3)],
-    cpu=dict(BH=_CPU_BH, BN=16, num_warps=4, num_stages=1), prune=_bh_at_least_hb)
+    cpu=dict(BH=_CPU_BH, BN=16, num_warps=4, num_stages=1, pre_hook=_fill_union), prune=_bh_at_least_hb)
 _BWD_CONFIGS = configs(   # DKT=True (BH=64, wgmma) hit an illegal address on the H200 (triton 3.6, c=512): off
-    gpu=[dict(BH=_BWD_BH, BN=32, DKT=False, num_warps=8, num_stages=1),
-         dict(BH=_BWD_BH, BN=16, DKT=False, num_warps=8, num_stages=2),
+    gpu=[dict(BH=_BWD_BH, BN=32, DKT=False, num_warps=8, num_stages=1, pre_hook=_fill_union),
+         dict(BH=_BWD_BH, BN=16, DKT=False, num_warps=8, num_stages=2, pre_hook=_fill_union),
          dict(BH=16, BN=32, DKT=False, num_warps=8, num_stages=1),
          dict(BH=16, BN=16, DKT=False, num_warps=4, num_stages=2)],
-    cpu=dict(BH=_CPU_BH, BN=16, DKT=False, num_warps=4, num_stages=1), prune=_bh_at_least_hb)
+    cpu=dict(BH=_CPU_BH, BN=16, DKT=False, num_warps=4, num_stages=1, pre_hook=_fill_union), prune=_bh_at_least_hb)
 
 
 def _heads(x, H: int, bh_max: int, mode: int = MODE_NONE) -> int:
@@ -106,38 +117,42 @@ def _union_rows(x, bh_max: int) -> int:
     return _CPU_BH if on_cpu(x) else bh_max
 
 
-def csa_union(idx: torch.Tensor, qb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def csa_union(idx: torch.Tensor, qb: int, out=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The CSA picks of each group of qb consecutive queries as one key set (a union program's keys).
 
     idx [Tq, K] (-1 = none; an entry listed at most once per query, the contract) ->
       uidx [G, qb*K] idx.dtype  the group's distinct listed entry ids, ascending, then -1,  G = cdiv(Tq, qb),
       bits [G, qb*K] int32      bit qi set iff query g*qb + qi listed uidx[g, u] (qb <= 32),
-      ulen [G] int32            the number of distinct entries of group g (the kernels loop to it).
-    Queries past Tq (the last group's tail) list nothing. Vectorised on idx's device, no host sync: sort the keys
-    idx*qb + qi of each group, a run of equal idx is one union entry, its queries' bits are summed into it."""
+      ulen [G] int32            the number of distinct entries of group g (the kernels loop to it);
+    written into `out` (those three tensors) when given. Queries past Tq (the last group's tail) list nothing.
+    Vectorised on idx's device, no host sync: sort the keys idx*qb + qi of each group; a run of equal idx is one
+    union entry (its slot: the number of runs before it), its queries' bits are summed into the slot."""
     assert 1 <= qb <= 32, qb
     Tq, K = idx.shape
-    G = triton.cdiv(Tq, qb)
-    L = qb * K
-    grp = torch.full((G * qb, K), -1, dtype=idx.dtype, device=idx.device)
-    grp[:Tq] = idx
-    grp = grp.view(G, qb, K)                                                    # [G, qb, K]
+    G, L = triton.cdiv(Tq, qb), qb * K
+    grp = idx
+    if G * qb != Tq:
+        grp = torch.full((G * qb, K), -1, dtype=idx.dtype, device=idx.device)
+        grp[:Tq] = idx
+    grp = grp.reshape(G, qb, K)                                                 # [G, qb, K]
     qi = torch.arange(qb, dtype=idx.dtype, device=idx.device).view(1, qb, 1)
     none = torch.iinfo(idx.dtype).max                                           # sorts after every real key
     key = torch.where(grp >= 0, grp * qb + qi, none).view(G, L).sort(dim=1).values   # [G, L]
     listed = key != none
-    ent, who = key // qb, key % qb                                              # [G, L] entry id, query in group
+    ent, who = key // qb, (key % qb).to(torch.int32)                            # [G, L] entry id, query in group
     start = listed.clone()                                                      # first key of each entry's run
     start[:, 1:] &= ent[:, 1:] != ent[:, :-1]
-    run = start.cumsum(1) - 1                                                   # [G, L] the key's union slot
-    ulen = start.sum(1).to(torch.int32)                                         # [G]
-    spare = torch.full_like(run, L)                                             # column L: a sink for non-writes
-    uidx = torch.full((G, L + 1), -1, dtype=idx.dtype, device=idx.device)
-    uidx.scatter_(1, torch.where(start, run, spare), ent)
-    bits = torch.zeros(G, L + 1, dtype=torch.int32, device=idx.device)
-    bit = torch.bitwise_left_shift(torch.ones_like(who, dtype=torch.int32), who.to(torch.int32))
-    bits.scatter_add_(1, torch.where(listed, run, spare), bit)                 # (entry, query) pairs are unique
-    return uidx[:, :L].contiguous(), bits[:, :L].contiguous(), ulen
+    slot = (start.cumsum(1) - 1).clamp_(min=0)          # [G, L] the key's union slot (unlisted keys: the last one)
+    if out is None:
+        dev = idx.device
+        out = (torch.empty(G, L, dtype=idx.dtype, device=dev), torch.empty(G, L, dtype=torch.int32, device=dev),
+               torch.empty(G, dtype=torch.int32, device=dev))
+    uidx, bits, ulen = out
+    uidx.fill_(-1).scatter_reduce_(1, slot, torch.where(listed, ent, -1), "amax")   # -1 where no entry
+    bit = torch.bitwise_left_shift(torch.ones_like(who), who)
+    bits.zero_().scatter_add_(1, slot, torch.where(listed, bit, 0))             # (entry, query) pairs are unique
+    ulen.copy_(start.sum(1))
+    return uidx, bits, ulen
 
 
 def _grid(Tq: int, H: int, hb: int):
@@ -507,12 +522,14 @@ def prepare(q, kv, comp, comp_idx, ratio, seg, pos, entry_seg, entry_j, q_off):
     return mode, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, elo, ehi
 
 
-def _union_args(q, mode, idx_t, hb: int, ubh: int):
-    """The union launch arguments of a pass (UIDX, UBITS, ULEN): `csa_union` for the pass's union group of
-    QB = ubh / hb queries when the layer is CSA and QB > 1, dummy pointers otherwise (one-query programs and
-    window / HCA layers never read them)."""
+def _union_buffers(q, mode, idx_t, hb: int, ubh: int):
+    """The union launch arguments of a pass (UIDX, UBITS, ULEN), empty: `_fill_union` fills them before a union
+    config runs. Allocated for QB = ubh / hb when the layer is CSA and QB > 1; dummy pointers otherwise (one-query
+    programs and window / HCA layers never read them)."""
     if mode == MODE_IDX and ubh > hb:
-        return csa_union(idx_t, ubh // hb)
+        G, L = triton.cdiv(idx_t.shape[0], ubh // hb), ubh // hb * idx_t.shape[1]
+        return (torch.empty(G, L, dtype=idx_t.dtype, device=q.device), torch.empty(G, L, dtype=torch.int32,
+                device=q.device), torch.empty(G, dtype=torch.int32, device=q.device))
     dummy = torch.zeros(1, 1, dtype=torch.int32, device=q.device)
     return dummy, dummy, dummy.view(1)
 
@@ -526,6 +543,7 @@ def _launch(kernel, cfg, Tq: int, H: int, hb: int, *args, **kwargs):
         return
     meta = dict(cfg)
     warps, stages = meta.pop("num_warps", 4), meta.pop("num_stages", 2)
+    _fill_union({**dict(zip(kernel.arg_names, args)), **kwargs, **meta})          # what the configs' pre_hook does
     kernel.fn[_grid(Tq, H, hb)(meta)](*args, **kwargs, **meta, num_warps=warps, num_stages=stages)
 
 
@@ -540,7 +558,7 @@ class _SparseAttn(torch.autograd.Function):
         o = torch.empty_like(q)
         lse = torch.empty(Tq, H, device=q.device, dtype=torch.float32)
         hb, ubh = _heads(q, H, _FWD_BH, mode), _union_rows(q, _FWD_BH)
-        uidx, ubits, ulen = _union_args(q, mode, idx_t, hb, ubh)
+        uidx, ubits, ulen = _union_buffers(q, mode, idx_t, hb, ubh)
         _launch(
             _sparse_attn_fwd, configs and configs[0], Tq, H, hb,
             q, kv, comp_t, idx_t, sink.contiguous(), o, lse, seg, pos, eseg, ej, elo, ehi, uidx, ubits, ulen,
@@ -565,7 +583,7 @@ class _SparseAttn(torch.autograd.Function):
         dcomp = torch.zeros(comp_t.shape, device=q.device, dtype=torch.float32) if has_comp else dkv
         delta = torch.empty_like(lse)
         hb, ubh = _heads(q, H, _BWD_BH, mode), _union_rows(q, _BWD_BH)
-        uidx, ubits, ulen = _union_args(q, mode, idx_t, hb, ubh)
+        uidx, ubits, ulen = _union_buffers(q, mode, idx_t, hb, ubh)
         _launch(
             _sparse_attn_bwd, ctx.configs and ctx.configs[1], Tq, H, hb,
             q, kv, comp_t, idx_t, o, do, lse, dq, dkv, dcomp, delta, seg, pos, eseg, ej, elo, ehi, uidx, ubits, ulen,
