@@ -116,7 +116,8 @@ def _csa_idx(S, T, k, ratio, dev, gen, shared=None):
 def _union_stats(idx, H: int) -> dict:
     """{"fwd" / "bwd": {qb, ratio: union entries / listed picks, build_ms}} of the several-query CSA programs of
     each pass at H heads (kernels/sparse_attn/triton.py `csa_union`, QB queries a group: ratio 1 / QB when they all
-    list the same entries; build_ms its time, paid on every call of the pass, inside fwd_ms / bwd_ms)."""
+    list the same entries; build_ms its time, paid before each launch of a union config: inside those configs'
+    fwd_tuned_ms / bwd_tuned_ms entries, and inside fwd_ms / bwd_ms when they won)."""
     from dsv4.kernels.sparse_attn import triton as tri
     out, listed = {}, (idx >= 0).sum().item()
     for name, bh in (("fwd", tri._FWD_BH), ("bwd", tri._BWD_BH)):
