@@ -55,6 +55,9 @@ BT="$PY -c 'from dsv4.harness.train.bench import bench_train_cmd; bench_train_cm
 { $PY -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__, \
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"; echo "git $DSV4_GIT_SHA"; } >> "$OUT/env.txt" 2>&1
 touch "$OUT/summary.txt"
+# SEED_BENCH=<file>: an earlier call's bench_train.json; this call's rows are appended to it (`--append`: the rows
+# keep their own provenance, a row of the same (impl, tokens, batch) is replaced, the ratios are recomputed)
+[ -n "${SEED_BENCH:-}" ] && cp "$SEED_BENCH" "$OUT/bench_train.json"
 run() { local name=$1 t=$2; shift 2; local s=$(date +%s); timeout "$t" bash -c "$*" > "$OUT/$name.log" 2>&1; local rc=$?
         echo "$name rc=$rc $(( $(date +%s) - s ))s" | tee -a "$OUT/summary.txt"; }
 keep() { mkdir -p "$OUT/$1"; for f in golden_values.json run.json metrics.jsonl routing_stats.json; do
