@@ -375,80 +375,75 @@ def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH3, CX, ST, N,
 
 
 _DX_SPLIT_MAX = 16
-# Per program: dx [BM, n·BD] fp32, x / du / pre tiles, dfnᵀ [n·BD, RP] fp32 and (HOLD) fn's pieces [RP, n·BD] bf16
-# (two for a bf16 dx: 2 B per element each). HOLD=0 reloads the pieces from L2 every token block (2·R·2 B per
-# column: 96/BM of the x bytes) so BD 64-128 (128-256 B row segments) fit without spilling. The first 7 were the
-# TF32 kernel's set (the first is its tuned pick at 16K: fixed for small problems).
-_DX = configs(gpu=[dict(BD=32, BM=32, NSPLIT=8, HOLD=1, num_warps=4, num_stages=3),
-                   dict(BD=32, BM=32, NSPLIT=16, HOLD=1, num_warps=4, num_stages=3),
-                   dict(BD=32, BM=32, NSPLIT=16, HOLD=1, num_warps=4, num_stages=2),
-                   dict(BD=32, BM=64, NSPLIT=8, HOLD=1, num_warps=8, num_stages=3),
-                   dict(BD=32, BM=64, NSPLIT=16, HOLD=1, num_warps=8, num_stages=2),
-                   dict(BD=64, BM=32, NSPLIT=8, HOLD=1, num_warps=8, num_stages=3),
-                   dict(BD=64, BM=32, NSPLIT=16, HOLD=1, num_warps=8, num_stages=2),
-                   dict(BD=64, BM=64, NSPLIT=16, HOLD=1, num_warps=8, num_stages=2),
-                   dict(BD=64, BM=64, NSPLIT=16, HOLD=0, num_warps=8, num_stages=3),
-                   dict(BD=64, BM=32, NSPLIT=16, HOLD=0, num_warps=4, num_stages=3),
-                   dict(BD=128, BM=32, NSPLIT=16, HOLD=0, num_warps=8, num_stages=2),
-                   dict(BD=128, BM=64, NSPLIT=16, HOLD=0, num_warps=8, num_stages=2),
-                   dict(BD=128, BM=32, NSPLIT=16, HOLD=1, num_warps=8, num_stages=2)],
-              cpu=dict(BD=8, BM=16, NSPLIT=2, HOLD=1), prune=_small(lambda a: a["K"]))
+# One stream's [BM, BD] tiles per program (x, du, dx: BD·2-byte row segments) and its fn pieces [RP, BD] (in shared
+# memory). The first is the small-problem config (no tuning). Registers per thread from an offline Triton 3.9 sm_90
+# compile (the H200 runs 3.6; indicative only): 112-255, no spills, except the last (8 bytes); BD 256 x BM 64 and
+# BD 128 x BM 128 at 4 warps spilled and are left out.
+_DX = configs(gpu=[dict(BD=64, BM=64, NSPLIT=8, num_warps=4, num_stages=3),
+                   dict(BD=64, BM=64, NSPLIT=16, num_warps=4, num_stages=3),
+                   dict(BD=64, BM=32, NSPLIT=16, num_warps=4, num_stages=4),
+                   dict(BD=64, BM=64, NSPLIT=8, num_warps=8, num_stages=4),
+                   dict(BD=64, BM=128, NSPLIT=8, num_warps=8, num_stages=3),
+                   dict(BD=32, BM=64, NSPLIT=8, num_warps=4, num_stages=3),
+                   dict(BD=128, BM=32, NSPLIT=8, num_warps=4, num_stages=3),
+                   dict(BD=128, BM=32, NSPLIT=8, num_warps=8, num_stages=3),
+                   dict(BD=128, BM=32, NSPLIT=16, num_warps=8, num_stages=3),
+                   dict(BD=128, BM=64, NSPLIT=4, num_warps=4, num_stages=3),
+                   dict(BD=128, BM=64, NSPLIT=8, num_warps=8, num_stages=4),
+                   dict(BD=256, BM=32, NSPLIT=8, num_warps=8, num_stages=3),
+                   dict(BD=128, BM=128, NSPLIT=8, num_warps=8, num_stages=3)],
+              cpu=dict(BD=16, BM=16, NSPLIT=2), prune=_small(lambda a: a["K"]))
 
 
 @triton.autotune(**_DX, key=["K", "NK", "NS", "XB16"])
 @triton.jit
-def _pre_bwd_dx(X, FN3, DH3, CX, PRE, DU, DX, DFN, N, K, D, R, NK, NS: tl.constexpr, NP: tl.constexpr,
-                RP: tl.constexpr, XB16: tl.constexpr, IEEE: tl.constexpr,
-                BD: tl.constexpr, BM: tl.constexpr, NSPLIT: tl.constexpr, HOLD: tl.constexpr):
-    """Program (channel block d0, token split s): the columns k = j·d + d0 + i of ALL streams j (C = NP·BD of
-    them, so du [BM, BD] is loaded once for the n streams); it walks its token range in BM blocks:
-    dx = dh·fn + cx·x + pre_j·du and dfnᵀ[C, RP] += xᵀ·dh, all products bf16 dots of pieces (`_mm3`): dh and fn in
-    three pieces (DH3 [3, N, RP] from `_pre_bwd_map`, FN3 [3, R, K]), bf16 x as it is. dx in bf16 takes
+def _pre_bwd_dx(X, FN3, DH3, CX, PRE, DU, DX, DFN, N, K, D, R, NK, NS: tl.constexpr, RP: tl.constexpr,
+                XB16: tl.constexpr, IEEE: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, NSPLIT: tl.constexpr):
+    """Program (stream j, channel block d0, token split s) -- j varies fastest, so the n programs that share a du
+    block run side by side and n-1 of them read it from L2 -- owns the columns k = j·d + d0 + [0, BD): it keeps
+    fn's pieces for them ([RP, BD]) and walks its token range in BM blocks:
+    dx = dh·fn + cx·x + pre_j·du and dfnᵀ[BD, RP] += xᵀ·dh, all products bf16 dots of pieces (`_mm3`): dh and fn
+    in three pieces (DH3 [3, N, RP] from `_pre_bwd_map`, FN3 [3, R, K]), bf16 x as it is. dx in bf16 takes
     dh1·f1 + dh1·f2 + dh2·f1 (dropped terms ~2^-16 relative, under its 2^-9 rounding), in fp32 six dots;
-    dfnᵀ = Σ_i xᵀ·dh_i (exact products: ~fp32). fn's pieces stay in registers (HOLD) or are re-read per
-    block (L2). DFN[s] [K, RP] partial, summed over s by PyTorch."""
-    C: tl.constexpr = NP * BD
+    dfnᵀ = Σ_i xᵀ·dh_i (exact products: ~fp32). DFN[s] [K, RP] partial, summed over s by PyTorch."""
     LDX: tl.constexpr = 1 if XB16 else 2                        # _mm3 level of dx (bf16 dx: 3 dots)
-    d0 = tl.program_id(0) * BD
+    j = tl.program_id(0) % NS
+    offs_d = (tl.program_id(0) // NS) * BD + tl.arange(0, BD)
     s = tl.program_id(1)
-    cc = tl.arange(0, C)
-    jj = cc // BD
-    dd = d0 + cc % BD
-    cmask = (jj < NS) & (dd < D)
-    kk = jj * D + dd                                            # column -> K index
+    dmask = offs_d < D
+    kk = j * D + offs_d                                         # column -> K index
     offs_r = tl.arange(0, RP)
-    f_off = offs_r[:, None] * K + kk[None, :]
-    f_mask = (offs_r < R)[:, None] & cmask[None, :]
-    if HOLD:
-        f1, f2, f3 = _pieces(FN3, f_off, f_mask, R * K, LDX + 1)
-    dfnT = tl.zeros([C, RP], tl.float32)
+    f1, f2, f3 = _pieces(FN3, offs_r[:, None] * K + kk[None, :], (offs_r < R)[:, None] & dmask[None, :], R * K,
+                         LDX + 1)
+    dfnT = tl.zeros([BD, RP], tl.float32)
     tps = tl.cdiv(tl.cdiv(N, NSPLIT), BM) * BM
     lo = s * tps
     hi = tl.minimum(lo + tps, N)
+    ii = tl.arange(0, BM)
+    x_tile = ii[:, None] * K + kk[None, :]                      # int32 offsets from the block's first token (the
+    du_tile = ii[:, None] * D + offs_d[None, :]                 # loop-invariant part of the addresses is 32-bit)
+    dh_tile = ii[:, None] * RP + offs_r[None, :]
     for t0 in range(lo, hi, BM):
-        offs_m = t0 + tl.arange(0, BM)
+        offs_m = t0 + ii
         mmask = offs_m < hi
-        mc = mmask[:, None] & cmask[None, :]
-        dh1, dh2, dh3 = _pieces(DH3, offs_m[:, None] * RP + offs_r[None, :], mmask[:, None], N * RP, 3)
-        x_off = offs_m[:, None].to(tl.int64) * K + kk[None, :]
-        x = tl.load(X + x_off, mask=mc, other=0.0)
-        xf = x.to(tl.float32)
+        md = mmask[:, None] & dmask[None, :]
+        t64 = tl.cast(t0, tl.int64)
+        dh1, dh2, dh3 = _pieces(DH3 + t0 * RP, dh_tile, mmask[:, None], N * RP, 3)
+        x = tl.load(X + t64 * K + x_tile, mask=md, other=0.0)
         cx = tl.load(CX + offs_m, mask=mmask, other=0.0)
-        pre = tl.load(PRE + offs_m[:, None] * NS + jj[None, :], mask=mc, other=0.0)
-        du = tl.load(DU + offs_m[:, None].to(tl.int64) * D + dd[None, :], mask=mc, other=0.0).to(tl.float32)
-        if not HOLD:
-            f1, f2, f3 = _pieces(FN3, f_off, f_mask, R * K, LDX + 1)
-        dx = _mm3(dh1, dh2, dh3, f1, f2, f3, tl.zeros([BM, C], tl.float32), 3, LDX + 1, LDX, IEEE)
-        dx += cx[:, None] * xf + pre * du
-        tl.store(DX + x_off, dx.to(DX.dtype.element_ty), mask=mc)
+        pre = tl.load(PRE + offs_m * NS + j, mask=mmask, other=0.0)
+        du = tl.load(DU + t64 * D + du_tile, mask=md, other=0.0).to(tl.float32)
+        dx = _mm3(dh1, dh2, dh3, f1, f2, f3, tl.zeros([BM, BD], tl.float32), 3, LDX + 1, LDX, IEEE)
+        dx += cx[:, None] * x.to(tl.float32) + pre[:, None] * du
+        tl.store(DX + t64 * K + x_tile, dx.to(DX.dtype.element_ty), mask=md)
         if XB16:
             xt = tl.trans(x)
             dfnT = _mm3(xt, xt, xt, dh1, dh2, dh3, dfnT, 1, 3, 2, IEEE)
         else:
-            x1, x2, x3 = _split3(tl.trans(xf))
+            x1, x2, x3 = _split3(tl.trans(x.to(tl.float32)))
             dfnT = _mm3(x1, x2, x3, dh1, dh2, dh3, dfnT, 3, 3, 2, IEEE)
     tl.store(DFN + (s * K + kk[:, None].to(tl.int64)) * RP + offs_r[None, :], dfnT,
-             mask=cmask[:, None] & (offs_r < R)[None, :])
+             mask=dmask[:, None] & (offs_r < R)[None, :])
 
 
 def _project(x, fn32, norm_eps, base32=None, scale32=None, iters=1, eps=0.0):
@@ -511,8 +506,8 @@ class _HcPre(torch.autograd.Function):
         del steps
         dx = torch.empty_like(x)
         part = torch.empty(_DX_SPLIT_MAX, K, RP, **f32)
-        _pre_bwd_dx[lambda meta: (triton.cdiv(d, meta["BD"]), meta["NSPLIT"])](
-            x, _split_bf16(fn32), dh3, cx, pre, du, dx, part, N, K, d, R, N.bit_length(), NS=n, NP=NP, RP=RP,
+        _pre_bwd_dx[lambda meta: (n * triton.cdiv(d, meta["BD"]), meta["NSPLIT"])](
+            x, _split_bf16(fn32), dh3, cx, pre, du, dx, part, N, K, d, R, N.bit_length(), NS=n, RP=RP,
             XB16=_bf16x(x), IEEE=_ieee(x))
         dfn = part[:tuned(_pre_bwd_dx, "NSPLIT"), :, :R].sum(0).t()             # [R, n*d]
         dz = dz[:, :R]
