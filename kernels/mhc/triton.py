@@ -4,24 +4,37 @@ Same contract as `naive` (N tokens, n streams, d hidden; fn [(2+n)n, n*d] rows p
 
 Byte counts below: X = N·n·d·2 (x in bf16), U = N·d·2, for n = 4, d = 4096 at 16K tokens X = 512 MiB.
 
+Products (`_proj`, `_pre_bwd_dx`): bf16 tensor-core dots of exact bf16 pieces, fp32 accumulation. An fp32 operand v
+is split v = v1 + v2 + v3 exactly (`_split3`: 8 significant bits each, round to nearest even on the bits), bf16 x
+is its own single piece; each bf16 x bf16 product is exact in fp32, so Σ_i x·f_i is ~fp32 accurate (`_mm3` picks
+the piece products by significance). fn's pieces are made once per call ([3, R, K] bf16, `_split_bf16`), dh's
+by `_pre_bwd_map`. On CPU tensors (the interpreter, whose bf16 tl.dot is wrong) the same pieces are upcast and
+dotted in exact fp32 ("ieee"): the same products, so the CPU tests exercise the decomposition.
+
 hc_pre forward, three kernels, 2X + U of HBM traffic:
   1. `_proj` (split-K): grid (token blocks of BM, SPLIT contiguous ranges of K = n·d); each program streams its
      [BM, K/SPLIT] slice of x once and writes partial x·fnᵀ [BM, RP] and Σx² [BM] (SPLIT·N·(RP+1)·4 bytes in
-     all, < 2% of X). fn [RP, BK] tiles come from L2 (1.5 MiB in all; 48/BM of the x bytes per program). Precision:
-     x in bf16 is exact in TF32, so x·fnᵀ = x·fn_hi + x·fn_lo in two TF32 passes (fn_lo = the TF32 remainder)
-     gives ~fp32 accuracy; fp32 x uses 3xTF32.
+     all, < 2% of X). x stays bf16 (a dot operand as loaded, upcast only for Σx²); x·fnᵀ = Σ_i x·f_iᵀ, three bf16
+     dots (was: x upcast to fp32, two TF32 passes at half the bf16 rate). fn's pieces [R, BK] come from L2 (2.25 MiB
+     in all; 72/BM of the x bytes per program, hence BM up to 256). fp32 x is split in registers (six dots).
   2. `_pre_map`: per block of tokens the fixed-order split-K reduction, r = rsqrt(mean(x²)+eps), mix, the
      pre / post sigmoids and the Sinkhorn iterations on [BM, n, n] in registers (reads SPLIT partials).
   3. `_pre_agg`: grid (token blocks, channel blocks): u = Σ_j pre_j X_j (the second read of x, the write of u).
+     Pure streaming (no products); 0.16 ms = 4.2 TB/s at 16K already.
 hc_pre backward, three kernels, 3X + 2U:
-  1. `_pre_bwd_dpre`: dpre = Σ_d du·X_j streamed over d (X + U).
+  1. `_pre_bwd_dpre`: dpre = Σ_d du·X_j streamed over d (X + U). It cannot join `_pre_bwd_dx`: dh needs the whole
+     d-sum of dpre (through the sigmoid / Sinkhorn backward) before any dx column.
   2. `_pre_bwd_map`: the backward of the small map (sigmoids; the Sinkhorn steps from their inputs, replayed
-     once and kept in a [2·iters-1, N, n, n] fp32 scratch), dh = dmix·r, cx = -r²/(nd)·Σ dmix·mix.
-  3. `_pre_bwd_dx`: grid (channel blocks of BD, NSPLIT token ranges); a program owns the columns of its channel
-     block in ALL n streams (du read once for them) and keeps its fn tile [RP, n·BD] in registers while it walks
-     its tokens: dx = dh·fn + cx·x + pre ⊗ du (reads x and du, writes dx: 2X + U), and dfnᵀ += xᵀ·dh into a
-     per-split partial [K, RP] (NSPLIT·K·RP·4 bytes: ≤ 32 MiB, summed by PyTorch) -- no second pass over x and no
-     fp32 copy of x for a cuBLAS dfn. dbase / dscale are PyTorch sums over dz [N, RP].
+     once and kept in a [2·iters-1, N, n, n] fp32 scratch), dh = dmix·r as three bf16 pieces [3, N, RP],
+     cx = -r²/(nd)·Σ dmix·mix.
+  3. `_pre_bwd_dx`: grid (n·d/BD, NSPLIT token ranges), stream fastest; a program owns one stream's channel block
+     (BD·2-byte row segments of x, du, dx), keeps fn's pieces for it [RP, BD] in shared memory and walks its
+     tokens: dx = dh·fn + cx·x + pre_j·du (reads x and du, writes dx: 2X + U; the n programs of a channel block run
+     side by side, so n-1 of them read du from L2), and dfnᵀ += xᵀ·dh into a per-split partial [K, RP]
+     (NSPLIT·K·RP·4 bytes: ≤ 32 MiB, summed by PyTorch) -- no second pass over x. Products: bf16 dx takes
+     dh1·f1 + dh1·f2 + dh2·f1 (3 bf16 dots; the dropped terms are ~2^-16 relative, the bf16 store rounds at 2^-9),
+     dfnᵀ = Σ_i xᵀ·dh_i (3 dots, ~fp32); was 3xTF32 + 2 TF32 passes (5 TF32 = 10 bf16-dot equivalents, now 6).
+     dbase / dscale are PyTorch sums over dz [N, RP].
 hc_post: one kernel each way, per (block of tokens, block of channels), 2X + U forward, 3X + 2U backward; the
   backward writes dpost / dcomb partial sums per channel block (summed by PyTorch; deterministic, no atomics).
 Every streaming kernel is autotuned over block sizes / warps / stages (and SPLIT / NSPLIT); the launch code
