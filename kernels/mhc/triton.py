@@ -14,9 +14,10 @@ dotted in exact fp32 ("ieee"): the same products, so the CPU tests exercise the 
 hc_pre forward, three kernels, 2X + U of HBM traffic:
   1. `_proj` (split-K): grid (token blocks of BM, SPLIT contiguous ranges of K = n·d); each program streams its
      [BM, K/SPLIT] slice of x once and writes partial x·fnᵀ [BM, RP] and Σx² [BM] (SPLIT·N·(RP+1)·4 bytes in
-     all, < 2% of X). x stays bf16 (a dot operand as loaded, upcast only for Σx²); x·fnᵀ = Σ_i x·f_iᵀ, three bf16
-     dots (was: x upcast to fp32, two TF32 passes at half the bf16 rate). fn's pieces [R, BK] come from L2 (2.25 MiB
-     in all; 72/BM of the x bytes per program, hence BM up to 256). fp32 x is split in registers (six dots).
+     all, < 2% of X). x stays bf16 (a dot operand as loaded, upcast only for Σx²); x·fnᵀ = Σ_i x·f_iᵀ, three
+     bf16 dots (was: x upcast to fp32, two TF32 passes at half the bf16 rate). fn's pieces [R, BK] come from L2
+     (2.25 MiB in all; 72/BM of the x bytes per program, hence BM up to 256). fp32 x is split in registers (six
+     dots).
   2. `_pre_map`: per block of tokens the fixed-order split-K reduction, r = rsqrt(mean(x²)+eps), mix, the
      pre / post sigmoids and the Sinkhorn iterations on [BM, n, n] in registers (reads SPLIT partials).
   3. `_pre_agg`: grid (token blocks, channel blocks): u = Σ_j pre_j X_j (the second read of x, the write of u).
@@ -147,7 +148,7 @@ def _split_kernel(SRC, DST, numel, BLOCK: tl.constexpr):
 
 
 def _split_bf16(t):
-    """[3, *t.shape] bf16 pieces of fp32 t, t = Σ pieces exactly (`_split3`); for fn [R, K]: 6·R·K bytes, one launch."""
+    """[3, *t.shape] bf16 pieces of fp32 t, t = Σ pieces exactly (`_split3`); fn [R, K]: 6·R·K bytes, one launch."""
     t = t.contiguous()
     out = torch.empty(3, *t.shape, device=t.device, dtype=torch.bfloat16)
     BLOCK = 4096
@@ -209,8 +210,18 @@ def _proj(X, FN3, PART, SQ, N, K, R, NK, RP: tl.constexpr, XB16: tl.constexpr, I
     tl.store(SQ + s * N + offs_m, sq, mask=mmask)
 
 
+# The two small-map kernels (sigmoids, Sinkhorn and its backward on [BM, n, n]) are latency-bound chains of ~40
+# dependent normalisations per token with 4 elements per thread at BM 32 x 4 warps (~16 warps per SM at 16K
+# tokens); more warps per token block spread the same tiles thinner (more warps in flight). `_pre_bwd_map` took
+# 0.09 ms at 16K with the first config (its bytes: ~90 MiB, mostly the Sinkhorn scratch, ~0.02 ms).
+_MAP = configs(gpu=[dict(BM=32, num_warps=4), dict(BM=32, num_warps=8), dict(BM=32, num_warps=16),
+                    dict(BM=16, num_warps=4), dict(BM=16, num_warps=8), dict(BM=64, num_warps=16)],
+               cpu=dict(BM=16), prune=_small(lambda a: 1 << 13))
+
+
+@triton.autotune(**_MAP, key=["NK", "NS"])
 @triton.jit
-def _pre_map(PART, SQ, BASE, SCALE, MIX, RINV, POST, COMB, PRE, N, K, SPLIT, iters, eps, norm_eps,
+def _pre_map(PART, SQ, BASE, SCALE, MIX, RINV, POST, COMB, PRE, N, K, SPLIT, iters, eps, norm_eps, NK,
              NS: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr):
     """Per block of tokens: the split-K reduction (fixed order), r = rsqrt(mean(x²)+eps), mix = r·(x·fnᵀ), then
     pre / post sigmoids and the Sinkhorn iterations on [BM, n, n] in registers."""
@@ -311,14 +322,16 @@ def _pre_bwd_dpre(X, DU, DPRE, N, D, NK, NS: tl.constexpr, NP: tl.constexpr, BM:
     tl.store(DPRE + offs_m[:, None] * NP + j[None, :], dpre, mask=mmask[:, None])
 
 
+@triton.autotune(**_MAP, key=["NK", "NS"])
 @triton.jit
-def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH3, CX, ST, N, K, R, iters, eps,
+def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH3, CX, ST, N, K, R, iters, eps, NK,
                  NS: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr):
     """Backward of the small map z = mix·scale + base -> (pre, post, comb) into DZ = dL/dz [N, RP], then
-    DH3 [3, N, RP] = the bf16 pieces (`_split3`) of dh = d(x·fnᵀ) = dz·scale·r, and CX = -r²/K·Σ dmix·mix (the rsqrt's term of dx). The Sinkhorn steps: the
-    forward is replayed once from the softmax (the same operations in the same order as `_pre_map`), the input of
-    every step stored in ST [2·iters-1, N, NP, NP] fp32 (scratch), then the steps are differentiated last to
-    first from those inputs: O(iters) work per token (was an O(iters²) replay: 741 normalisations at 20 iters)."""
+    DH3 [3, N, RP] = the bf16 pieces (`_split3`) of dh = d(x·fnᵀ) = dz·scale·r, and CX = -r²/K·Σ dmix·mix (the
+    rsqrt's term of dx). The Sinkhorn steps: the forward is replayed once from the softmax (the same operations in
+    the same order as `_pre_map`), the input of every step stored in ST [2·iters-1, N, NP, NP] fp32 (scratch), then
+    the steps are differentiated last to first from those inputs: O(iters) work per token (was an O(iters²)
+    replay: 741 normalisations at 20 iters)."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     mmask = offs_m < N
     j = tl.arange(0, NP)
@@ -476,10 +489,10 @@ def _project(x, fn32, norm_eps, base32=None, scale32=None, iters=1, eps=0.0):
                                                                      IEEE=_ieee(x))
     mix, rinv = torch.empty(N, RP, **f32), torch.empty(N, **f32)
     post, comb, pre = torch.empty(N, n, **f32), torch.empty(N, n, n, **f32), torch.empty(N, n, **f32)
-    BM = 16 if on_cpu(x) else 32
-    _pre_map[(triton.cdiv(N, BM),)](part, sq, base32, scale32, mix, rinv, post, comb, pre, N, K, tuned(_proj, "SPLIT"),
-                                    int(iters), float(eps), float(norm_eps), NS=n, NP=pow2(n, lo=1), RP=RP, BM=BM,
-                                    num_warps=4)
+    _pre_map[lambda meta: (triton.cdiv(N, meta["BM"]),)](part, sq, base32, scale32, mix, rinv, post, comb, pre, N, K,
+                                                         tuned(_proj, "SPLIT"), int(iters), float(eps),
+                                                         float(norm_eps), N.bit_length(), NS=n, NP=pow2(n, lo=1),
+                                                         RP=RP)
     return mix, rinv, post, comb, pre
 
 
@@ -512,10 +525,10 @@ class _HcPre(torch.autograd.Function):
         _pre_bwd_dpre[lambda meta: (triton.cdiv(N, meta["BM"]),)](x, du, dpre, N, d, N.bit_length(), NS=n, NP=NP)
         dz, cx = torch.empty(N, RP, **f32), torch.empty(N, **f32)
         dh3 = torch.empty(3, N, RP, device=x.device, dtype=torch.bfloat16)     # dh's bf16 pieces
-        BM = 16 if on_cpu(x) else 32
         steps = torch.empty(max(2 * iters - 1, 1), N, NP, NP, **f32)         # Sinkhorn step inputs (scratch)
-        _pre_bwd_map[(triton.cdiv(N, BM),)](mix, rinv, base32, scale32, dpre, dpost, dcomb, dz, dh3, cx, steps, N, K,
-                                            R, iters, eps, NS=n, NP=NP, RP=RP, BM=BM, num_warps=4)
+        _pre_bwd_map[lambda meta: (triton.cdiv(N, meta["BM"]),)](mix, rinv, base32, scale32, dpre, dpost, dcomb, dz,
+                                                                 dh3, cx, steps, N, K, R, iters, eps, N.bit_length(),
+                                                                 NS=n, NP=NP, RP=RP)
         del steps
         dx = torch.empty_like(x)
         part = torch.empty(_DX_SPLIT_MAX, K, RP, **f32)
