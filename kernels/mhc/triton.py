@@ -160,7 +160,8 @@ def _split_bf16(t):
 _SPLIT_MAX = 8
 # x [BM, BK] stays bf16 (a dot operand as loaded; upcast only for Σx²); the first 8 were the TF32 kernel's set
 # (32 fp32 elements per thread), the last 4 use the room it frees: BM 128-256 cuts the fn pieces' L2 reads
-# (3 pieces x R rows x 2 B per k: 72/BM of the x bytes)
+# (3 pieces x R rows x 2 B per k: 72/BM of the x bytes). Offline Triton 3.6 sm_90 compile: 64-138 registers, no
+# spills, wgmma, loads pipelined (the TF32 kernel: 114-188)
 _PROJ = configs(gpu=[dict(BM=64, BK=64, SPLIT=4, num_warps=4, num_stages=3),
                      dict(BM=64, BK=64, SPLIT=8, num_warps=4, num_stages=4),
                      dict(BM=128, BK=32, SPLIT=4, num_warps=4, num_stages=4),
@@ -402,22 +403,24 @@ def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH3, CX, ST, N,
 
 _DX_SPLIT_MAX = 16
 # One stream's [BM, BD] tiles per program (x, du, dx: BD·2-byte row segments) and its fn pieces [RP, BD] (in shared
-# memory). The first is the small-problem config (no tuning). Registers per thread from an offline Triton 3.9 sm_90
-# compile (the H200 runs 3.6; indicative only): 112-255, no spills, except the last (8 bytes); BD 256 x BM 64 and
-# BD 128 x BM 128 at 4 warps spilled and are left out.
+# memory). The first is the small-problem config (no tuning). Offline Triton 3.6 sm_90 compile (ptxas -v): 98-231
+# registers per thread, no spills, all wgmma (BD 128 x BM 64 at 4 warps and BD 128 x BM 128 spilled 44 bytes and
+# BD 256 x BM 32 at 4 warps 204: left out); the small tiles (BM 16-32 x 4 warps, 98-130 registers) fit 4-5
+# programs per SM, the wide ones (BD 128-256) give 256-512-byte row segments. The old all-streams kernel: 238-250.
 _DX = configs(gpu=[dict(BD=64, BM=64, NSPLIT=8, num_warps=4, num_stages=3),
                    dict(BD=64, BM=64, NSPLIT=16, num_warps=4, num_stages=3),
                    dict(BD=64, BM=32, NSPLIT=16, num_warps=4, num_stages=4),
+                   dict(BD=64, BM=32, NSPLIT=8, num_warps=4, num_stages=3),
+                   dict(BD=64, BM=16, NSPLIT=8, num_warps=4, num_stages=3),
                    dict(BD=64, BM=64, NSPLIT=8, num_warps=8, num_stages=4),
                    dict(BD=64, BM=128, NSPLIT=8, num_warps=8, num_stages=3),
                    dict(BD=32, BM=64, NSPLIT=8, num_warps=4, num_stages=3),
+                   dict(BD=128, BM=16, NSPLIT=8, num_warps=4, num_stages=3),
                    dict(BD=128, BM=32, NSPLIT=8, num_warps=4, num_stages=3),
                    dict(BD=128, BM=32, NSPLIT=8, num_warps=8, num_stages=3),
                    dict(BD=128, BM=32, NSPLIT=16, num_warps=8, num_stages=3),
-                   dict(BD=128, BM=64, NSPLIT=4, num_warps=4, num_stages=3),
                    dict(BD=128, BM=64, NSPLIT=8, num_warps=8, num_stages=4),
-                   dict(BD=256, BM=32, NSPLIT=8, num_warps=8, num_stages=3),
-                   dict(BD=128, BM=128, NSPLIT=8, num_warps=8, num_stages=3)],
+                   dict(BD=256, BM=32, NSPLIT=8, num_warps=8, num_stages=3)],
               cpu=dict(BD=16, BM=16, NSPLIT=2), prune=_small(lambda a: a["K"]))
 
 
