@@ -457,7 +457,8 @@ def _bench_mhc(tokens, dev, log, smoke=False):
                         p = _timer(dev)(lambda: tri._project(x, fn.detach(), 1e-6))
                     row["hc_pre"].update(proj_only_ms=p, proj_only_tbps=X / p * 1e-9,
                                          configs={k: _best(getattr(tri, k)) for k in
-                                                  ("_proj", "_pre_agg", "_pre_bwd_dpre", "_pre_bwd_dx")})
+                                                  ("_proj", "_pre_map", "_pre_agg", "_pre_bwd_dpre",
+                                                   "_pre_bwd_map", "_pre_bwd_dx")})
                     row["hc_pre"].update(_device_tbps(_device_rows(
                         dev, lambda: hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6, backend=backend),
                         [x, fn, base, scale]), 2 * X + U, 3 * X + 2 * U))

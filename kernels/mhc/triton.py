@@ -4,24 +4,38 @@ Same contract as `naive` (N tokens, n streams, d hidden; fn [(2+n)n, n*d] rows p
 
 Byte counts below: X = N·n·d·2 (x in bf16), U = N·d·2, for n = 4, d = 4096 at 16K tokens X = 512 MiB.
 
+Products (`_proj`, `_pre_bwd_dx`): bf16 tensor-core dots of exact bf16 pieces, fp32 accumulation. An fp32 operand v
+is split v = v1 + v2 + v3 exactly (`_split3`: 8 significant bits each, round to nearest even on the bits), bf16 x
+is its own single piece; each bf16 x bf16 product is exact in fp32, so Σ_i x·f_i is ~fp32 accurate (`_mm3` picks
+the piece products by significance). fn's pieces are made once per call ([3, R, K] bf16, `_split_bf16`), dh's
+by `_pre_bwd_map`. On CPU tensors (the interpreter, whose bf16 tl.dot is wrong) the same pieces are upcast and
+dotted in exact fp32 ("ieee"): the same products, so the CPU tests exercise the decomposition.
+
 hc_pre forward, three kernels, 2X + U of HBM traffic:
   1. `_proj` (split-K): grid (token blocks of BM, SPLIT contiguous ranges of K = n·d); each program streams its
      [BM, K/SPLIT] slice of x once and writes partial x·fnᵀ [BM, RP] and Σx² [BM] (SPLIT·N·(RP+1)·4 bytes in
-     all, < 2% of X). fn [RP, BK] tiles come from L2 (1.5 MiB in all; 48/BM of the x bytes per program). Precision:
-     x in bf16 is exact in TF32, so x·fnᵀ = x·fn_hi + x·fn_lo in two TF32 passes (fn_lo = the TF32 remainder)
-     gives ~fp32 accuracy; fp32 x uses 3xTF32.
+     all, < 2% of X). x stays bf16 (a dot operand as loaded, upcast only for Σx²); x·fnᵀ = Σ_i x·f_iᵀ, three
+     bf16 dots (was: x upcast to fp32, two TF32 passes at half the bf16 rate). fn's pieces [R, BK] come from L2
+     (2.25 MiB in all; 72/BM of the x bytes per program, hence BM up to 256). fp32 x is split in registers (six
+     dots).
   2. `_pre_map`: per block of tokens the fixed-order split-K reduction, r = rsqrt(mean(x²)+eps), mix, the
      pre / post sigmoids and the Sinkhorn iterations on [BM, n, n] in registers (reads SPLIT partials).
   3. `_pre_agg`: grid (token blocks, channel blocks): u = Σ_j pre_j X_j (the second read of x, the write of u).
+     Pure streaming (no products); 0.16 ms = 4.2 TB/s at 16K already.
 hc_pre backward, three kernels, 3X + 2U:
-  1. `_pre_bwd_dpre`: dpre = Σ_d du·X_j streamed over d (X + U).
+  1. `_pre_bwd_dpre`: dpre = Σ_d du·X_j streamed over d (X + U). It cannot join `_pre_bwd_dx`: dh needs the whole
+     d-sum of dpre (through the sigmoid / Sinkhorn backward) before any dx column.
   2. `_pre_bwd_map`: the backward of the small map (sigmoids; the Sinkhorn steps from their inputs, replayed
-     once and kept in a [2·iters-1, N, n, n] fp32 scratch), dh = dmix·r, cx = -r²/(nd)·Σ dmix·mix.
-  3. `_pre_bwd_dx`: grid (channel blocks of BD, NSPLIT token ranges); a program owns the columns of its channel
-     block in ALL n streams (du read once for them) and keeps its fn tile [RP, n·BD] in registers while it walks
-     its tokens: dx = dh·fn + cx·x + pre ⊗ du (reads x and du, writes dx: 2X + U), and dfnᵀ += xᵀ·dh into a
-     per-split partial [K, RP] (NSPLIT·K·RP·4 bytes: ≤ 32 MiB, summed by PyTorch) -- no second pass over x and no
-     fp32 copy of x for a cuBLAS dfn. dbase / dscale are PyTorch sums over dz [N, RP].
+     once and kept in a [2·iters-1, N, n, n] fp32 scratch), dh = dmix·r as three bf16 pieces [3, N, RP],
+     cx = -r²/(nd)·Σ dmix·mix.
+  3. `_pre_bwd_dx`: grid (n·d/BD, NSPLIT token ranges), stream fastest; a program owns one stream's channel block
+     (BD·2-byte row segments of x, du, dx), keeps fn's pieces for it [RP, BD] in shared memory and walks its
+     tokens: dx = dh·fn + cx·x + pre_j·du (reads x and du, writes dx: 2X + U; the n programs of a channel block run
+     side by side, so n-1 of them read du from L2), and dfnᵀ += xᵀ·dh into a per-split partial [K, RP]
+     (NSPLIT·K·RP·4 bytes: ≤ 32 MiB, summed by PyTorch) -- no second pass over x. Products: bf16 dx takes
+     dh1·f1 + dh1·f2 + dh2·f1 (3 bf16 dots; the dropped terms are ~2^-16 relative, the bf16 store rounds at 2^-9),
+     dfnᵀ = Σ_i xᵀ·dh_i (3 dots, ~fp32); was 3xTF32 + 2 TF32 passes (5 TF32 = 10 bf16-dot equivalents, now 6).
+     dbase / dscale are PyTorch sums over dz [N, RP].
 hc_post: one kernel each way, per (block of tokens, block of channels), 2X + U forward, 3X + 2U backward; the
   backward writes dpost / dcomb partial sums per channel block (summed by PyTorch; deterministic, no atomics).
 Every streaming kernel is autotuned over block sizes / warps / stages (and SPLIT / NSPLIT); the launch code
@@ -42,13 +56,14 @@ hc_head = naive.hc_head
 
 
 def _ieee(x) -> bool:
-    """Dot precision: exact fp32 ("ieee") for CPU tensors (Triton's interpreter); TF32 passes on the GPU."""
+    """Dot arithmetic: exact fp32 dots of the (upcast) bf16 pieces for CPU tensors -- Triton 3.9's interpreter
+    computes bf16 tl.dot wrongly -- and bf16 tensor-core dots on the GPU; the same products either way."""
     return on_cpu(x)
 
 
-def _exact(x) -> bool:
-    """x's values are exact in TF32 (bf16 / fp16 upcast): a product with x needs only the other operand split."""
-    return x.dtype in (torch.bfloat16, torch.float16)
+def _bf16x(x) -> bool:
+    """x is bf16: it is its own single bf16 piece (no split), and dx is stored in bf16."""
+    return x.dtype == torch.bfloat16
 
 
 def _small(n_elems):
@@ -57,34 +72,96 @@ def _small(n_elems):
 
 
 @triton.jit
-def _tf32_hi(b):
-    """b with its low 13 mantissa bits cleared: exact in TF32; b - hi is the TF32 remainder."""
-    return (b.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+def _bf16_hi(v):
+    """fp32 v rounded to the nearest bf16 (ties to even) by its bits, kept in fp32. Done on the bits so every
+    backend rounds alike (the interpreter truncates in fp32 -> bf16 casts); v - hi is then exact in fp32."""
+    b = v.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _mm(a, b, acc, EXACT: tl.constexpr, IEEE: tl.constexpr):
-    """acc + a·b at ~fp32 accuracy. EXACT (a exact in TF32): b = hi + lo, two TF32 passes (products exact, the
-    remainder rounded at 2^-11 of 2^-11); else one 3xTF32 pass. IEEE (interpreter): the same terms, exact fp32."""
-    if EXACT:
-        hi = _tf32_hi(b)
-        if IEEE:
-            acc = tl.dot(a, hi, acc, input_precision="ieee")
-            acc = tl.dot(a, b - hi, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, hi, acc, input_precision="tf32")
-            acc = tl.dot(a, b - hi, acc, input_precision="tf32")
+def _split3(v):
+    """fp32 v = p1 + p2 + p3 exactly in three bf16 pieces (8 significant bits each; |p2| <= 2^-9 |v|,
+    |p3| <= 2^-17 |v|). The casts to bf16 are exact (each piece is already a bf16 value)."""
+    h1 = _bf16_hi(v)
+    r = v - h1
+    h2 = _bf16_hi(r)
+    return h1.to(tl.bfloat16), h2.to(tl.bfloat16), (r - h2).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a·b for bf16 a, b: every product is exact in fp32, the sums are fp32 (tensor cores). IEEE
+    (interpreter): the same exact products as an fp32 dot of the upcast pieces."""
+    if IEEE:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc, input_precision="tf32x3")
+        acc = tl.dot(a, b, acc)
     return acc
+
+
+@triton.jit
+def _mm3(a1, a2, a3, b1, b2, b3, acc, NA: tl.constexpr, NB: tl.constexpr, LVL: tl.constexpr,
+         IEEE: tl.constexpr):
+    """acc + a·b with a = a1 + a2 + a3 (its first NA pieces), b = b1 + b2 + b3 (first NB): the bf16 dots
+    a_i·b_j with i + j <= LVL (0-based). Piece i carries ~2^-8i of its operand, so LVL 2 drops terms of
+    <= ~2^-24 relative (~fp32 accuracy: 3 dots for one piece of a, 6 for three), LVL 1 drops ~2^-16 (3 dots; for
+    outputs stored in bf16, whose rounding is 2^-9). Unused pieces may be any tensor (never read)."""
+    acc = _dot(a1, b1, acc, IEEE)
+    if LVL >= 1:
+        if NB >= 2:
+            acc = _dot(a1, b2, acc, IEEE)
+        if NA >= 2:
+            acc = _dot(a2, b1, acc, IEEE)
+    if LVL >= 2:
+        if NB >= 3:
+            acc = _dot(a1, b3, acc, IEEE)
+        if NA >= 2 and NB >= 2:
+            acc = _dot(a2, b2, acc, IEEE)
+        if NA >= 3:
+            acc = _dot(a3, b1, acc, IEEE)
+    return acc
+
+
+@triton.jit
+def _pieces(P, off, mask, STRIDE, NPC: tl.constexpr):
+    """The first NPC of the three bf16 pieces P[i] = P + i·STRIDE at `off` (the rest: the first, unused)."""
+    p1 = tl.load(P + off, mask=mask, other=0.0)
+    p2 = p1
+    p3 = p1
+    if NPC >= 2:
+        p2 = tl.load(P + STRIDE + off, mask=mask, other=0.0)
+    if NPC >= 3:
+        p3 = tl.load(P + 2 * STRIDE + off, mask=mask, other=0.0)
+    return p1, p2, p3
+
+
+@triton.jit
+def _split_kernel(SRC, DST, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < numel
+    p1, p2, p3 = _split3(tl.load(SRC + offs, mask=m, other=0.0))
+    tl.store(DST + offs, p1, mask=m)
+    tl.store(DST + numel + offs, p2, mask=m)
+    tl.store(DST + 2 * numel + offs, p3, mask=m)
+
+
+def _split_bf16(t):
+    """[3, *t.shape] bf16 pieces of fp32 t, t = Σ pieces exactly (`_split3`); fn [R, K]: 6·R·K bytes, one launch."""
+    t = t.contiguous()
+    out = torch.empty(3, *t.shape, device=t.device, dtype=torch.bfloat16)
+    BLOCK = 4096
+    _split_kernel[(triton.cdiv(t.numel(), BLOCK),)](t, out, t.numel(), BLOCK=BLOCK)
+    return out
 
 
 # ------------------------------------------------------------------------------------------ hc_pre fwd
 _SPLIT_MAX = 8
-# tiles of 32 fp32 elements per thread (x [BM, BK] upcast for the TF32 dot; 4 warps: 4096, 8 warps: 8192)
+# x [BM, BK] stays bf16 (a dot operand as loaded; upcast only for Σx²); the first 8 were the TF32 kernel's set
+# (32 fp32 elements per thread), the last 4 use the room it frees: BM 128-256 cuts the fn pieces' L2 reads
+# (3 pieces x R rows x 2 B per k: 72/BM of the x bytes). Offline Triton 3.6 sm_90 compile: 64-138 registers, no
+# spills, wgmma, loads pipelined (the TF32 kernel: 114-188)
 _PROJ = configs(gpu=[dict(BM=64, BK=64, SPLIT=4, num_warps=4, num_stages=3),
                      dict(BM=64, BK=64, SPLIT=8, num_warps=4, num_stages=4),
                      dict(BM=128, BK=32, SPLIT=4, num_warps=4, num_stages=4),
@@ -92,16 +169,22 @@ _PROJ = configs(gpu=[dict(BM=64, BK=64, SPLIT=4, num_warps=4, num_stages=3),
                      dict(BM=128, BK=64, SPLIT=4, num_warps=8, num_stages=3),
                      dict(BM=128, BK=64, SPLIT=8, num_warps=8, num_stages=4),
                      dict(BM=256, BK=32, SPLIT=2, num_warps=8, num_stages=4),
-                     dict(BM=256, BK=32, SPLIT=4, num_warps=8, num_stages=4)],
+                     dict(BM=256, BK=32, SPLIT=4, num_warps=8, num_stages=4),
+                     dict(BM=128, BK=64, SPLIT=8, num_warps=4, num_stages=4),
+                     dict(BM=128, BK=128, SPLIT=4, num_warps=8, num_stages=3),
+                     dict(BM=256, BK=64, SPLIT=4, num_warps=8, num_stages=3),
+                     dict(BM=256, BK=64, SPLIT=8, num_warps=8, num_stages=3)],
                 cpu=dict(BM=16, BK=32, SPLIT=2), prune=_small(lambda a: a["K"]))
 
 
-@triton.autotune(**_PROJ, key=["K", "R", "NK", "EXACT"])
+@triton.autotune(**_PROJ, key=["K", "R", "NK", "XB16"])
 @triton.jit
-def _proj(X, FN, PART, SQ, N, K, R, NK, RP: tl.constexpr, EXACT: tl.constexpr, IEEE: tl.constexpr,
+def _proj(X, FN3, PART, SQ, N, K, R, NK, RP: tl.constexpr, XB16: tl.constexpr, IEEE: tl.constexpr,
           BM: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
     """Split-K partials of the projection: PART[s] [N, RP] = x[:, Ks]·fn[:, Ks]ᵀ and SQ[s] [N] = Σ_Ks x², over
-    the s-th of SPLIT contiguous K ranges (K = n·d). Reduced in fixed order by `_pre_map`: no atomics."""
+    the s-th of SPLIT contiguous K ranges (K = n·d). Reduced in fixed order by `_pre_map`: no atomics.
+    FN3 [3, R, K]: fn's bf16 pieces (`_split_bf16`). bf16 x (XB16): x·fnᵀ = Σ_i x·f_iᵀ, three bf16 dots with
+    exact products (~fp32 accuracy); other x dtypes are split in registers too (six dots, `_mm3`)."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     s = tl.program_id(1)
     offs_r = tl.arange(0, RP)
@@ -115,16 +198,31 @@ def _proj(X, FN, PART, SQ, N, K, R, NK, RP: tl.constexpr, EXACT: tl.constexpr, I
         offs_k = k0 + tl.arange(0, BK)
         kmask = offs_k < hi
         x = tl.load(X + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=mmask[:, None] & kmask[None, :],
-                    other=0.0).to(tl.float32)
-        f = tl.load(FN + offs_r[None, :] * K + offs_k[:, None], mask=rmask[None, :] & kmask[:, None], other=0.0)
-        acc = _mm(x, f, acc, EXACT, IEEE)                       # [BM, RP]
-        sq += tl.sum(x * x, 1)
+                    other=0.0)
+        f1, f2, f3 = _pieces(FN3, offs_r[None, :] * K + offs_k[:, None], rmask[None, :] & kmask[:, None], R * K, 3)
+        xf = x.to(tl.float32)
+        if XB16:
+            acc = _mm3(x, x, x, f1, f2, f3, acc, 1, 3, 2, IEEE)          # [BM, RP]
+        else:
+            x1, x2, x3 = _split3(xf)
+            acc = _mm3(x1, x2, x3, f1, f2, f3, acc, 3, 3, 2, IEEE)
+        sq += tl.sum(xf * xf, 1)
     tl.store(PART + (s * N + offs_m[:, None].to(tl.int64)) * RP + offs_r[None, :], acc, mask=mmask[:, None])
     tl.store(SQ + s * N + offs_m, sq, mask=mmask)
 
 
+# The two small-map kernels (sigmoids, Sinkhorn and its backward on [BM, n, n]) are latency-bound chains of ~40
+# dependent normalisations per token with 4 elements per thread at BM 32 x 4 warps (~16 warps per SM at 16K
+# tokens); more warps per token block spread the same tiles thinner (more warps in flight). `_pre_bwd_map` took
+# 0.09 ms at 16K with the first config (its bytes: ~90 MiB, mostly the Sinkhorn scratch, ~0.02 ms).
+_MAP = configs(gpu=[dict(BM=32, num_warps=4), dict(BM=32, num_warps=8), dict(BM=32, num_warps=16),
+                    dict(BM=16, num_warps=4), dict(BM=16, num_warps=8), dict(BM=64, num_warps=16)],
+               cpu=dict(BM=16), prune=_small(lambda a: 1 << 13))
+
+
+@triton.autotune(**_MAP, key=["NK", "NS"])
 @triton.jit
-def _pre_map(PART, SQ, BASE, SCALE, MIX, RINV, POST, COMB, PRE, N, K, SPLIT, iters, eps, norm_eps,
+def _pre_map(PART, SQ, BASE, SCALE, MIX, RINV, POST, COMB, PRE, N, K, SPLIT, iters, eps, norm_eps, NK,
              NS: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr):
     """Per block of tokens: the split-K reduction (fixed order), r = rsqrt(mean(x²)+eps), mix = r·(x·fnᵀ), then
     pre / post sigmoids and the Sinkhorn iterations on [BM, n, n] in registers."""
@@ -225,14 +323,16 @@ def _pre_bwd_dpre(X, DU, DPRE, N, D, NK, NS: tl.constexpr, NP: tl.constexpr, BM:
     tl.store(DPRE + offs_m[:, None] * NP + j[None, :], dpre, mask=mmask[:, None])
 
 
+@triton.autotune(**_MAP, key=["NK", "NS"])
 @triton.jit
-def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH, CX, ST, N, K, R, iters, eps,
+def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH3, CX, ST, N, K, R, iters, eps, NK,
                  NS: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr):
     """Backward of the small map z = mix·scale + base -> (pre, post, comb) into DZ = dL/dz [N, RP], then
-    DH = d(x·fnᵀ) = dz·scale·r and CX = -r²/K·Σ dmix·mix (the rsqrt's term of dx). The Sinkhorn steps: the
-    forward is replayed once from the softmax (the same operations in the same order as `_pre_map`), the input of
-    every step stored in ST [2·iters-1, N, NP, NP] fp32 (scratch), then the steps are differentiated last to
-    first from those inputs: O(iters) work per token (was an O(iters²) replay: 741 normalisations at 20 iters)."""
+    DH3 [3, N, RP] = the bf16 pieces (`_split3`) of dh = d(x·fnᵀ) = dz·scale·r, and CX = -r²/K·Σ dmix·mix (the
+    rsqrt's term of dx). The Sinkhorn steps: the forward is replayed once from the softmax (the same operations in
+    the same order as `_pre_map`), the input of every step stored in ST [2·iters-1, N, NP, NP] fp32 (scratch), then
+    the steps are differentiated last to first from those inputs: O(iters) work per token (was an O(iters²)
+    replay: 741 normalisations at 20 iters)."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     mmask = offs_m < N
     j = tl.arange(0, NP)
@@ -292,61 +392,87 @@ def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH, CX, ST, N, 
     sc = tl.where(offs_r < NS, s0, tl.where(offs_r < 2 * NS, s1, s2))
     dmix = dzr * sc[None, :]
     rinv = tl.load(RINV + offs_m, mask=mmask, other=0.0)
-    tl.store(DH + offs_m[:, None] * RP + offs_r[None, :], dmix * rinv[:, None], mask=mmask[:, None])
+    dh1, dh2, dh3 = _split3(dmix * rinv[:, None])
+    dh_off = offs_m[:, None] * RP + offs_r[None, :]
+    tl.store(DH3 + dh_off, dh1, mask=mmask[:, None])
+    tl.store(DH3 + N * RP + dh_off, dh2, mask=mmask[:, None])
+    tl.store(DH3 + 2 * N * RP + dh_off, dh3, mask=mmask[:, None])
     tl.store(DZ + offs_m[:, None] * RP + offs_r[None, :], dzr, mask=mmask[:, None])
     tl.store(CX + offs_m, -tl.sum(dmix * mixr, 1) * rinv * rinv / K, mask=mmask)
 
 
 _DX_SPLIT_MAX = 16
-# [BM, n·BD] tiles (x, du, pre, dx) and fn [RP, n·BD] / dfnᵀ at 32 fp32 elements per thread
-_DX = configs(gpu=[dict(BD=32, BM=32, NSPLIT=8, num_warps=4, num_stages=3),
-                   dict(BD=32, BM=32, NSPLIT=16, num_warps=4, num_stages=3),
-                   dict(BD=32, BM=32, NSPLIT=16, num_warps=4, num_stages=2),
-                   dict(BD=32, BM=64, NSPLIT=8, num_warps=8, num_stages=3),
-                   dict(BD=32, BM=64, NSPLIT=16, num_warps=8, num_stages=2),
-                   dict(BD=64, BM=32, NSPLIT=8, num_warps=8, num_stages=3),
-                   dict(BD=64, BM=32, NSPLIT=16, num_warps=8, num_stages=2)],
-              cpu=dict(BD=8, BM=16, NSPLIT=2), prune=_small(lambda a: a["K"]))
+# One stream's [BM, BD] tiles per program (x, du, dx: BD·2-byte row segments) and its fn pieces [RP, BD] (in shared
+# memory). The first is the small-problem config (no tuning). Offline Triton 3.6 sm_90 compile (ptxas -v): 98-231
+# registers per thread, no spills, all wgmma (BD 128 x BM 64 at 4 warps and BD 128 x BM 128 spilled 44 bytes and
+# BD 256 x BM 32 at 4 warps 204: left out); the small tiles (BM 16-32 x 4 warps, 98-130 registers) fit 4-5
+# programs per SM, the wide ones (BD 128-256) give 256-512-byte row segments. The old all-streams kernel: 238-250.
+_DX = configs(gpu=[dict(BD=64, BM=64, NSPLIT=8, num_warps=4, num_stages=3),
+                   dict(BD=64, BM=64, NSPLIT=16, num_warps=4, num_stages=3),
+                   dict(BD=64, BM=32, NSPLIT=16, num_warps=4, num_stages=4),
+                   dict(BD=64, BM=32, NSPLIT=8, num_warps=4, num_stages=3),
+                   dict(BD=64, BM=16, NSPLIT=8, num_warps=4, num_stages=3),
+                   dict(BD=64, BM=64, NSPLIT=8, num_warps=8, num_stages=4),
+                   dict(BD=64, BM=128, NSPLIT=8, num_warps=8, num_stages=3),
+                   dict(BD=32, BM=64, NSPLIT=8, num_warps=4, num_stages=3),
+                   dict(BD=128, BM=16, NSPLIT=8, num_warps=4, num_stages=3),
+                   dict(BD=128, BM=32, NSPLIT=8, num_warps=4, num_stages=3),
+                   dict(BD=128, BM=32, NSPLIT=8, num_warps=8, num_stages=3),
+                   dict(BD=128, BM=32, NSPLIT=16, num_warps=8, num_stages=3),
+                   dict(BD=128, BM=64, NSPLIT=8, num_warps=8, num_stages=4),
+                   dict(BD=256, BM=32, NSPLIT=8, num_warps=8, num_stages=3)],
+              cpu=dict(BD=16, BM=16, NSPLIT=2), prune=_small(lambda a: a["K"]))
 
 
-@triton.autotune(**_DX, key=["K", "NK", "NS", "EXACT"])
+@triton.autotune(**_DX, key=["K", "NK", "NS", "XB16"])
 @triton.jit
-def _pre_bwd_dx(X, FN, DH, CX, PRE, DU, DX, DFN, N, K, D, R, NK, NS: tl.constexpr, NP: tl.constexpr,
-                RP: tl.constexpr, EXACT: tl.constexpr, IEEE: tl.constexpr,
-                BD: tl.constexpr, BM: tl.constexpr, NSPLIT: tl.constexpr):
-    """Program (channel block d0, token split s): the columns k = j·d + d0 + i of ALL streams j (C = NP·BD of
-    them, so du [BM, BD] is loaded once for the n streams); the fn tile [RP, C] stays in registers while the program
-    walks its token range in BM blocks: dx = dh·fn + cx·x + pre_j·du (3xTF32), and accumulates
-    dfnᵀ[C, RP] += xᵀ·dh (x exact in TF32: two passes). DFN[s] [K, RP] partial, summed over s by PyTorch."""
-    C: tl.constexpr = NP * BD
-    d0 = tl.program_id(0) * BD
+def _pre_bwd_dx(X, FN3, DH3, CX, PRE, DU, DX, DFN, N, K, D, R, NK, NS: tl.constexpr, RP: tl.constexpr,
+                XB16: tl.constexpr, IEEE: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, NSPLIT: tl.constexpr):
+    """Program (stream j, channel block d0, token split s) -- j varies fastest, so the n programs that share a du
+    block run side by side and n-1 of them read it from L2 -- owns the columns k = j·d + d0 + [0, BD): it keeps
+    fn's pieces for them ([RP, BD]) and walks its token range in BM blocks:
+    dx = dh·fn + cx·x + pre_j·du and dfnᵀ[BD, RP] += xᵀ·dh, all products bf16 dots of pieces (`_mm3`): dh and fn
+    in three pieces (DH3 [3, N, RP] from `_pre_bwd_map`, FN3 [3, R, K]), bf16 x as it is. dx in bf16 takes
+    dh1·f1 + dh1·f2 + dh2·f1 (dropped terms ~2^-16 relative, under its 2^-9 rounding), in fp32 six dots;
+    dfnᵀ = Σ_i xᵀ·dh_i (exact products: ~fp32). DFN[s] [K, RP] partial, summed over s by PyTorch."""
+    LDX: tl.constexpr = 1 if XB16 else 2                        # _mm3 level of dx (bf16 dx: 3 dots)
+    j = tl.program_id(0) % NS
+    offs_d = (tl.program_id(0) // NS) * BD + tl.arange(0, BD)
     s = tl.program_id(1)
-    cc = tl.arange(0, C)
-    jj = cc // BD
-    dd = d0 + cc % BD
-    cmask = (jj < NS) & (dd < D)
-    kk = jj * D + dd                                            # column -> K index
+    dmask = offs_d < D
+    kk = j * D + offs_d                                         # column -> K index
     offs_r = tl.arange(0, RP)
-    fsub = tl.load(FN + offs_r[:, None] * K + kk[None, :], mask=(offs_r < R)[:, None] & cmask[None, :], other=0.0)
-    dfnT = tl.zeros([C, RP], tl.float32)
+    f1, f2, f3 = _pieces(FN3, offs_r[:, None] * K + kk[None, :], (offs_r < R)[:, None] & dmask[None, :], R * K,
+                         LDX + 1)
+    dfnT = tl.zeros([BD, RP], tl.float32)
     tps = tl.cdiv(tl.cdiv(N, NSPLIT), BM) * BM
     lo = s * tps
     hi = tl.minimum(lo + tps, N)
+    ii = tl.arange(0, BM)
+    x_tile = ii[:, None] * K + kk[None, :]                      # int32 offsets from the block's first token (the
+    du_tile = ii[:, None] * D + offs_d[None, :]                 # loop-invariant part of the addresses is 32-bit)
+    dh_tile = ii[:, None] * RP + offs_r[None, :]
     for t0 in range(lo, hi, BM):
-        offs_m = t0 + tl.arange(0, BM)
+        offs_m = t0 + ii
         mmask = offs_m < hi
-        mc = mmask[:, None] & cmask[None, :]
-        dh = tl.load(DH + offs_m[:, None] * RP + offs_r[None, :], mask=mmask[:, None], other=0.0)
-        x_off = offs_m[:, None].to(tl.int64) * K + kk[None, :]
-        x = tl.load(X + x_off, mask=mc, other=0.0).to(tl.float32)
+        md = mmask[:, None] & dmask[None, :]
+        t64 = tl.cast(t0, tl.int64)
+        dh1, dh2, dh3 = _pieces(DH3 + t0 * RP, dh_tile, mmask[:, None], N * RP, 3)
+        x = tl.load(X + t64 * K + x_tile, mask=md, other=0.0)
         cx = tl.load(CX + offs_m, mask=mmask, other=0.0)
-        pre = tl.load(PRE + offs_m[:, None] * NS + jj[None, :], mask=mc, other=0.0)
-        du = tl.load(DU + offs_m[:, None].to(tl.int64) * D + dd[None, :], mask=mc, other=0.0).to(tl.float32)
-        dx = _mm(dh, fsub, tl.zeros([BM, C], tl.float32), False, IEEE)
-        dx += cx[:, None] * x + pre * du
-        tl.store(DX + x_off, dx.to(DX.dtype.element_ty), mask=mc)
-        dfnT = _mm(tl.trans(x), dh, dfnT, EXACT, IEEE)
-    tl.store(DFN + (s * K + kk[:, None].to(tl.int64)) * RP + offs_r[None, :], dfnT, mask=cmask[:, None])
+        pre = tl.load(PRE + offs_m * NS + j, mask=mmask, other=0.0)
+        du = tl.load(DU + t64 * D + du_tile, mask=md, other=0.0).to(tl.float32)
+        dx = _mm3(dh1, dh2, dh3, f1, f2, f3, tl.zeros([BM, BD], tl.float32), 3, LDX + 1, LDX, IEEE)
+        dx += cx[:, None] * x.to(tl.float32) + pre[:, None] * du
+        tl.store(DX + t64 * K + x_tile, dx.to(DX.dtype.element_ty), mask=md)
+        if XB16:
+            xt = tl.trans(x)
+            dfnT = _mm3(xt, xt, xt, dh1, dh2, dh3, dfnT, 1, 3, 2, IEEE)
+        else:
+            x1, x2, x3 = _split3(tl.trans(x.to(tl.float32)))
+            dfnT = _mm3(x1, x2, x3, dh1, dh2, dh3, dfnT, 3, 3, 2, IEEE)
+    tl.store(DFN + (s * K + kk[:, None].to(tl.int64)) * RP + offs_r[None, :], dfnT,
+             mask=dmask[:, None] & (offs_r < R)[None, :])
 
 
 def _project(x, fn32, norm_eps, base32=None, scale32=None, iters=1, eps=0.0):
@@ -361,14 +487,15 @@ def _project(x, fn32, norm_eps, base32=None, scale32=None, iters=1, eps=0.0):
     scale32 = torch.ones(3, **f32) if scale32 is None else scale32
     part = torch.empty(_SPLIT_MAX, N, RP, **f32)
     sq = torch.empty(_SPLIT_MAX, N, **f32)
-    _proj[lambda meta: (triton.cdiv(N, meta["BM"]), meta["SPLIT"])](x, fn32, part, sq, N, K, R, N.bit_length(),
-                                                                     RP=RP, EXACT=_exact(x), IEEE=_ieee(x))
+    _proj[lambda meta: (triton.cdiv(N, meta["BM"]), meta["SPLIT"])](x, _split_bf16(fn32), part, sq, N, K, R,
+                                                                     N.bit_length(), RP=RP, XB16=_bf16x(x),
+                                                                     IEEE=_ieee(x))
     mix, rinv = torch.empty(N, RP, **f32), torch.empty(N, **f32)
     post, comb, pre = torch.empty(N, n, **f32), torch.empty(N, n, n, **f32), torch.empty(N, n, **f32)
-    BM = 16 if on_cpu(x) else 32
-    _pre_map[(triton.cdiv(N, BM),)](part, sq, base32, scale32, mix, rinv, post, comb, pre, N, K, tuned(_proj, "SPLIT"),
-                                    int(iters), float(eps), float(norm_eps), NS=n, NP=pow2(n, lo=1), RP=RP, BM=BM,
-                                    num_warps=4)
+    _pre_map[lambda meta: (triton.cdiv(N, meta["BM"]),)](part, sq, base32, scale32, mix, rinv, post, comb, pre, N, K,
+                                                         tuned(_proj, "SPLIT"), int(iters), float(eps),
+                                                         float(norm_eps), N.bit_length(), NS=n, NP=pow2(n, lo=1),
+                                                         RP=RP)
     return mix, rinv, post, comb, pre
 
 
@@ -399,18 +526,19 @@ class _HcPre(torch.autograd.Function):
         dcomb = torch.zeros(N, n, n, **f32) if dcomb is None else dcomb.float().contiguous()
         dpre = torch.empty(N, NP, **f32)
         _pre_bwd_dpre[lambda meta: (triton.cdiv(N, meta["BM"]),)](x, du, dpre, N, d, N.bit_length(), NS=n, NP=NP)
-        dz, dh, cx = torch.empty(N, RP, **f32), torch.empty(N, RP, **f32), torch.empty(N, **f32)
-        BM = 16 if on_cpu(x) else 32
+        dz, cx = torch.empty(N, RP, **f32), torch.empty(N, **f32)
+        dh3 = torch.empty(3, N, RP, device=x.device, dtype=torch.bfloat16)     # dh's bf16 pieces
         steps = torch.empty(max(2 * iters - 1, 1), N, NP, NP, **f32)         # Sinkhorn step inputs (scratch)
-        _pre_bwd_map[(triton.cdiv(N, BM),)](mix, rinv, base32, scale32, dpre, dpost, dcomb, dz, dh, cx, steps, N, K,
-                                            R, iters, eps, NS=n, NP=NP, RP=RP, BM=BM, num_warps=4)
+        _pre_bwd_map[lambda meta: (triton.cdiv(N, meta["BM"]),)](mix, rinv, base32, scale32, dpre, dpost, dcomb, dz,
+                                                                 dh3, cx, steps, N, K, R, iters, eps, N.bit_length(),
+                                                                 NS=n, NP=NP, RP=RP)
         del steps
         dx = torch.empty_like(x)
         part = torch.empty(_DX_SPLIT_MAX, K, RP, **f32)
-        _pre_bwd_dx[lambda meta: (triton.cdiv(d, meta["BD"]), meta["NSPLIT"])](
-            x, fn32, dh, cx, pre, du, dx, part, N, K, d, R, N.bit_length(), NS=n, NP=NP, RP=RP, EXACT=_exact(x),
-            IEEE=_ieee(x))
-        dfn = part[:tuned(_pre_bwd_dx, "NSPLIT")].sum(0)[:, :R].t()             # [R, n*d]
+        _pre_bwd_dx[lambda meta: (n * triton.cdiv(d, meta["BD"]), meta["NSPLIT"])](
+            x, _split_bf16(fn32), dh3, cx, pre, du, dx, part, N, K, d, R, N.bit_length(), NS=n, RP=RP,
+            XB16=_bf16x(x), IEEE=_ieee(x))
+        dfn = part[:tuned(_pre_bwd_dx, "NSPLIT"), :, :R].sum(0).t()             # [R, n*d]
         dz = dz[:, :R]
         dbase = dz.sum(0)
         ds = (dz * mix[:, :R]).sum(0)                                            # [R] rows: pre n, post n, comb n*n
