@@ -6,9 +6,6 @@ Per op (shapes = DSv4-Flash where the op has them; B = 1):
                really sees (fwd 2·H·ΣK_t·(c+c), bwd 2·H·ΣK_t·(3c+2c)); the nominal K=640 numbers too.
                Peer: dense causal `scaled_dot_product_attention` (flash/efficient/cuDNN backends, no math
                fallback), same H and c, at the same S; the naive path at the smallest S only (O(S²) memory).
-               With --heads <= 16 (`proxy`) also `csa_shared` rows: picks that neighbouring queries share in part
-               (`_csa_idx` shared=0.2; the uniform picks of `csa` are the worst case of the union programs), and
-               per CSA row the union sizes the several-query programs stream (`union_over_listed`).
   indexer      nI=64, cI=128, ratio 4: scoring fwd/bwd TFLOP/s over causal (t, j) pairs; top-k k=512.
   compressor   CSA D=512 (overlap) / indexer D=128 (overlap) / HCA D=512 (ratio 128) at T in --tokens, bf16,
                packed API (slot metadata included): TB/s over `COMPRESSOR_BYTES`; the naive path as a peer.
@@ -93,39 +90,19 @@ def _err(msg):
 
 
 # ------------------------------------------------------------------------------------------ sparse attention
-def _csa_idx(S, T, k, ratio, dev, gen, shared=None):
-    """Random unique top-k entry ids per query among its complete entries (-1 beyond), sorted ascending: uniform,
-    or with `shared` the top-k of a score common to all queries plus `shared` x each query's own uniform noise
-    (queries then share picks in part: 0.2 gives unions of ~0.3 x the listed picks for 4 queries at 16K)."""
+def _csa_idx(S, T, k, ratio, dev, gen):
+    """Random unique top-k entry ids per query among its complete entries (-1 beyond), sorted ascending."""
     import torch
     idx = torch.empty(S, 1, min(k, T), dtype=torch.long, device=dev)
     t = torch.arange(S, device=dev)
-    base = torch.rand(T, generator=gen, device=dev) if shared is not None else None
     for s0 in range(0, S, 4096):
         sc = torch.rand(min(4096, S - s0), T, generator=gen, device=dev)
-        if base is not None:
-            sc = base[None, :] + shared * sc
         lim = (t[s0:s0 + 4096] + 1) // ratio
         sc = sc.masked_fill(torch.arange(T, device=dev)[None, :] >= lim[:, None], -1.0)
         v, i = sc.topk(min(k, T), dim=-1)
         i = torch.where(v < 0, torch.full_like(i, -1), i)
         idx[s0:s0 + 4096, 0] = i.sort(dim=-1).values
     return idx
-
-
-def _union_stats(idx, H: int) -> dict:
-    """{"fwd" / "bwd": {qb, ratio: union entries / listed picks, build_ms}} of the several-query CSA programs of
-    each pass at H heads (kernels/sparse_attn/triton.py `csa_union`, QB queries a group: ratio 1 / QB when they all
-    list the same entries; build_ms its time, paid before each launch of a union config: inside those configs'
-    fwd_tuned_ms / bwd_tuned_ms entries, and inside fwd_ms / bwd_ms when they won)."""
-    from dsv4.kernels.sparse_attn import triton as tri
-    out, listed = {}, (idx >= 0).sum().item()
-    for name, bh in (("fwd", tri._FWD_BH), ("bwd", tri._BWD_BH)):
-        qb = tri._union_rows(idx, bh) // tri._heads(idx, H, bh, tri.MODE_IDX)
-        if qb > 1:
-            out[name] = {"qb": qb, "ratio": tri.csa_union(idx, qb)[2].sum().item() / max(listed, 1),
-                         "build_ms": _ms(lambda: tri.csa_union(idx, qb), 30)}
-    return out
 
 
 def _tuned_ms(kernel) -> dict:
@@ -149,10 +126,9 @@ def _bench_sparse_attn(seqs, dense_peer, log, heads=(64,)):
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
     per_h = [("window", seqs[0])] + [(m, S) for S in seqs for m in ("csa", "hca")]
-    cases = [(h, m, S) for h in heads for (m, S) in per_h + ([("csa_shared", S) for S in seqs] if h <= 16 else [])]
+    cases = [(h, m, S) for h in heads for (m, S) in per_h]
     for H, mode, S in cases:
-        csa = mode.startswith("csa")
-        ratio, k = (4, 512) if csa else (128, 0)
+        ratio, k = (4, 512) if mode == "csa" else (128, 0)
         q = torch.randn(S, 1, H, c, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
         kv = torch.randn(S, 1, c, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
         sink = torch.randn(H, device=dev, generator=gen).requires_grad_()
@@ -161,8 +137,8 @@ def _bench_sparse_attn(seqs, dense_peer, log, heads=(64,)):
         nkeys = torch.clamp(t + 1, max=window).sum().item()
         if mode != "window":
             comp = torch.randn(S // ratio, 1, c, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
-        if csa:
-            idx = _csa_idx(S, S // ratio, k, ratio, dev, gen, shared=0.2 if mode == "csa_shared" else None)
+        if mode == "csa":
+            idx = _csa_idx(S, S // ratio, k, ratio, dev, gen)
             nkeys += (idx >= 0).sum().item()
         elif mode == "hca":
             nkeys += ((t + 1) // ratio).sum().item()
@@ -175,8 +151,6 @@ def _bench_sparse_attn(seqs, dense_peer, log, heads=(64,)):
         idx1 = None if idx is None else idx[:, 0]
         row = {"mode": mode, "S": S, "B": 1, "H": H, "c": c, "window": window, "ratio": ratio if mode != "window" else 0,
                "topk": k, "avg_keys_per_query": nkeys / S}
-        if csa and H <= 16:
-            row["union_over_listed"] = _union_stats(idx[:, 0], H)
         try:
             for kern in (tri._sparse_attn_fwd, tri._sparse_attn_bwd):   # tune this row's key now: its timings below
                 kern.cache.clear()
@@ -187,7 +161,7 @@ def _bench_sparse_attn(seqs, dense_peer, log, heads=(64,)):
                        fwd_bwd_ms=fwd + bwd,
                        fwd_config=str(tri._sparse_attn_fwd.best_config), bwd_config=str(tri._sparse_attn_bwd.best_config),
                        fwd_tuned_ms=_tuned_ms(tri._sparse_attn_fwd), bwd_tuned_ms=_tuned_ms(tri._sparse_attn_bwd))
-            if csa:   # nominal K = 640 for every query (kernels_perf §2.6 convention)
+            if mode == "csa":   # nominal K = 640 for every query (kernels_perf §2.6 convention)
                 row.update(nominal_fwd_tflops=4.0 * H * c * 640 * S / fwd * 1e-9,
                            nominal_bwd_tflops=10.0 * H * c * 640 * S / bwd * 1e-9)
         except Exception as e:  # noqa: BLE001

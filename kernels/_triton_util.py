@@ -11,12 +11,11 @@ def configs(gpu: list[dict], cpu: dict, prune=None, **meta) -> dict:
     narrowed by `prune(configs, launch_args) -> configs` when given (e.g. a tile-size budget that depends on a
     constexpr of the launch, or one config for a problem too small to tune; at least one must survive).
 
-    Each dict holds the kernel's block sizes plus optional `num_warps` / `num_stages` / `pre_hook` (triton.Config's:
-    called with the launch's arguments by name before every launch of that config, tuning runs included)."""
+    Each dict holds the kernel's block sizes plus optional `num_warps` / `num_stages`."""
     def make(c):
         c = dict(c)
-        w, s, hook = c.pop("num_warps", 4), c.pop("num_stages", 2), c.pop("pre_hook", None)
-        return triton.Config({**c, **meta}, num_warps=w, num_stages=s, pre_hook=hook)
+        w, s = c.pop("num_warps", 4), c.pop("num_stages", 2)
+        return triton.Config({**c, **meta}, num_warps=w, num_stages=s)
 
     gpu_cfgs, cpu_cfgs = [make(c) for c in gpu], [make(cpu)]
 

@@ -45,7 +45,6 @@ def _ctx(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, wind
     ctx.save_for_backward(q.contiguous(), kv.contiguous(), comp_t, idx_t, sink, o, lse, seg, pos, eseg, ej, elo, ehi)
     ctx.cfg = (mode, nsel, int(window), ratio, float(scale), int(q_off))
     ctx.comp_none = comp is None
-    ctx.configs = None                                  # the tuned configs
     return ctx
 
 

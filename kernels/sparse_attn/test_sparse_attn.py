@@ -1,9 +1,7 @@
 """Triton sparse attention vs the naive reference (spec §5.2-5.3) on packed streams: window-only, CSA (gathered
 top-k entries, with -1, not-yet-complete and other-document picks) and HCA (every visible entry); one document,
 several documents with padding, and a left halo (q_offset, the CP layout); output and gradients of q, kv, comp,
-sink. CSA with several queries a program (H <= 16) streams the union of their picks: `csa_union` against a Python
-oracle, the union programs against naive with picks that neighbouring queries share in part. CPU: Triton
-interpreter, tiny odd shapes, fp32. GPU: DSv4 shapes (H=64, c=512, window 128) and `proxy` ones (H=16), bf16."""
+sink. CPU: Triton interpreter, tiny odd shapes, fp32. GPU: DSv4 shapes (H=64, c=512, window 128), bf16."""
 from dsv4.kernels._testing import CUDA, assert_close, assert_rel, packed_meta, use_interpreter
 
 use_interpreter()
@@ -18,9 +16,8 @@ from dsv4.kernels.sparse_attn import sparse_attn  # noqa: E402
 DEV = "cuda" if CUDA else "cpu"
 LAYOUTS = {"one_doc": ([13], None, 0), "packed": ([5, 11, 2, 9], [2, 0, 3, 1], 0), "halo": ([7, 12, 6], [0, 1, 0], 4)}
 # H below the kernel's rows per program (16 on the interpreter, 32 / 64 on the GPU) packs several queries into a
-# program (H=3: 4 queries of 4 head rows, one empty; CSA: the union of their picks); H=16 on the interpreter is one
-# query per program, the DSv4 H=64 path on the GPU; `proxy` (H=16) on the GPU: the tuner picks per mode and pass
-# between 4 queries a forward program (2 a backward one) and one.
+# program (H=3: 4 queries of 4 head rows, one empty); H=16 on the interpreter is one query per program, the DSv4
+# H=64 path on the GPU; `proxy` (H=16) runs 4 queries per forward program and 2 per backward one on the GPU.
 TINY = dict(H=3, c=24, window=5, dtype=torch.float32)
 TINY16 = dict(H=16, c=24, window=5, dtype=torch.float32)
 REAL = dict(H=64, c=512, window=128, dtype=torch.bfloat16)
@@ -131,142 +128,3 @@ def test_entry_probs_triton_matches_naive(shape, layout):
         assert_close("entry_probs", got, want, 2e-5, 1e-5)
     else:                                          # bf16 QK products on the GPU
         assert_rel("entry_probs", got, want, 2e-2)
-
-
-# ------------------------------------------------------------------------- CSA: the union of a program's picks
-def _union_oracle(idx, qb):
-    """Plain-Python `csa_union`: per group of qb queries, {entry: membership bits} sorted by entry."""
-    Tq, K = idx.shape
-    G = -(-Tq // qb)
-    uidx = torch.full((G, qb * K), -1, dtype=torch.long)
-    bits = torch.zeros(G, qb * K, dtype=torch.int32)
-    ulen = torch.zeros(G, dtype=torch.int32)
-    rows = idx.tolist()
-    for g in range(G):
-        members = {}
-        for qi in range(qb):
-            if g * qb + qi < Tq:
-                for e in rows[g * qb + qi]:
-                    if e >= 0:
-                        members[e] = members.get(e, 0) | (1 << qi)
-        for u, e in enumerate(sorted(members)):
-            uidx[g, u] = e
-            bits[g, u] = members[e] - (1 << 32) if members[e] >= 1 << 31 else members[e]   # as an int32
-        ulen[g] = len(members)
-    return uidx, bits, ulen
-
-
-def _overlap_idx(Tq, N, k, gen, noise=0.3, drop=0.2):
-    """[Tq, k] picks among N entries that queries share in part: the top-k of a per-entry score common to all
-    queries plus each query's own noise (so duplicates across queries, and differences), in score order (not
-    sorted), a fraction `drop` set to -1. Picks are not filtered by visibility."""
-    base = torch.rand(N, generator=gen, device=gen.device)
-    scores = base[None, :] + noise * torch.rand(Tq, N, generator=gen, device=gen.device)
-    idx = scores.topk(min(k, N), dim=-1).indices
-    dropped = torch.rand(idx.shape, generator=gen, device=gen.device) < drop
-    return torch.where(dropped, torch.full_like(idx, -1), idx)
-
-
-@pytest.mark.parametrize("qb", [1, 2, 3, 4, 32])
-@pytest.mark.parametrize("Tq,N,k", [(1, 5, 3), (13, 9, 4), (37, 40, 7)])
-def test_csa_union_matches_python_oracle(qb, Tq, N, k):
-    from dsv4.kernels.sparse_attn.triton import csa_union
-    gen = torch.Generator().manual_seed(Tq * 100 + qb)
-    idx = _overlap_idx(Tq, N, k, gen)
-    want = _union_oracle(idx, qb)
-    got = csa_union(idx, qb)
-    for name, a, b in zip(("uidx", "bits", "ulen"), got, want):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
-    out = tuple(torch.full_like(w, 7) for w in want)       # the kernels' pre_hook fills stale buffers
-    assert all(a is b for a, b in zip(csa_union(idx, qb, out=out), out))
-    assert all(torch.equal(a, b) for a, b in zip(out, want))
-
-
-def _union_case(lens, pads, q_off, H, c, window, dtype, ratio, k, seed=0, noise=0.3):
-    """A CSA case (as `_case`) whose picks overlap in part across neighbouring queries (`_overlap_idx`)."""
-    (q, kv, comp, idx, sink), meta = _case("csa", lens, pads, q_off, H, c, window, dtype, ratio, k, seed)
-    gen = torch.Generator(device=DEV).manual_seed(seed + 1)
-    idx = _overlap_idx(q.shape[0], comp.shape[0], k, gen, noise)
-    return (q, kv, comp, idx, sink), meta
-
-
-def _grads(o, ins, seed=0):
-    do = torch.randn(o.shape, generator=torch.Generator(device=DEV).manual_seed(seed), device=DEV).to(o.dtype)
-    return torch.autograd.grad(o, ins, do)
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("H", [1, 3, 5])
-def test_csa_union_path_matches_naive(H, layout):
-    """The union programs (several queries, H <= 16; on the interpreter H = 3: 4 queries a program, H = 5: 2,
-    H = 1: 16) against naive, with picks shared in part between neighbouring queries, -1s, picks invisible to some
-    of the group's queries (other document, not yet complete), and, in one_doc / packed (13 / 33 queries), a last
-    group that runs past Tq."""
-    from dsv4.kernels.sparse_attn import triton as T
-    lens, pads, q_off = LAYOUTS[layout]
-    sh = dict(TINY, H=H)
-    (q, kv, comp, idx, sink), meta = _union_case(lens, pads, q_off, **sh, ratio=3, k=5)
-    for bh in (T._FWD_BH, T._BWD_BH):                       # the union path, not one query a program
-        qb = T._union_rows(q, bh) // T._heads(q, H, bh, T.MODE_IDX)
-        assert qb > 1
-    qb = T._union_rows(q, T._FWD_BH) // T._heads(q, H, T._FWD_BH, T.MODE_IDX)
-    uidx, bits, ulen = T.csa_union(idx, qb)
-    assert ulen.sum() < (idx >= 0).sum()                    # the picks do overlap
-    scale = sh["c"] ** -0.5
-    o = sparse_attn(q, kv, comp, idx, sink, sh["window"], 3, scale, **meta, backend="triton")
-    ref = sparse_attn(q, kv, comp, idx, sink, sh["window"], 3, scale, **meta, backend="naive")
-    ins = (q, kv, comp, sink)
-    assert_close("o", o, ref, 2e-5, 1e-5)                   # fp32: summation order only, as above
-    for n, a, b in zip(("dq", "dkv", "dcomp", "dsink"), _grads(o, ins), _grads(ref, ins)):
-        assert_close(n, a, b, 5e-5, 1e-4)
-
-
-def test_pinned_configs_match_naive():
-    """`triton.sparse_attn(configs=...)` launches exactly the given configs (the GPU test below pins the union and
-    the one-query programs with it): here the interpreter's union programs with 32-entry union tiles."""
-    from dsv4.kernels.sparse_attn import triton as T
-    if CUDA:
-        pytest.skip("interpreter configs")
-    (q, kv, comp, idx, sink), meta = _union_case([5, 11, 2, 9], [2, 0, 3, 1], 0, **TINY, ratio=3, k=5)
-    pins = (dict(BH=16, BN=32, num_warps=4, num_stages=1), dict(BH=16, BN=32, DKT=False, num_warps=4, num_stages=1))
-    args = (q, kv, comp, idx, sink, TINY["window"], 3, 24 ** -0.5, meta["seg"], meta["pos"], meta["entry_seg"],
-            meta["entry_j"])
-    o = T.sparse_attn(*args, configs=pins)
-    ref = sparse_attn(*args, backend="naive")
-    ins = (q, kv, comp, sink)
-    assert_close("o", o, ref, 2e-5, 1e-5)
-    for n, a, b in zip(("dq", "dkv", "dcomp", "dsink"), _grads(o, ins), _grads(ref, ins)):
-        assert_close(n, a, b, 5e-5, 1e-4)
-
-
-# the GPU configs that pin each path at H = 16 (the tuner picks by time): union programs (4 queries a forward
-# program, 2 a backward one) and one query a program
-UNION16 = (dict(BH=64, BN=64, num_warps=8, num_stages=2), dict(BH=32, BN=32, DKT=False, num_warps=8, num_stages=1))
-ONE16 = (dict(BH=16, BN=64, num_warps=8, num_stages=2), dict(BH=16, BN=32, DKT=False, num_warps=8, num_stages=1))
-
-
-@pytest.mark.skipif(not CUDA, reason="bf16 at proxy shapes: GPU only")
-@pytest.mark.parametrize("S", [4096, 16384])
-def test_csa_union_gpu_proxy(S):
-    """Proxy shapes (H = 16, c = 512, window 128, ratio 4, k = 512), bf16, picks shared in part: the union programs
-    (pinned) against one query a program (pinned) at 4K and 16K, and against naive at 4K (naive's [Tq, k, c]
-    gather at 16K is 16 GB fp32)."""
-    from dsv4.kernels.sparse_attn import triton as T
-    (q, kv, comp, idx, sink), meta = _union_case([S], None, 0, **REAL16, ratio=4, k=512)
-    scale = 512 ** -0.5
-    args = (q, kv, comp, idx, sink, 128, 4, scale, meta["seg"], meta["pos"], meta["entry_seg"], meta["entry_j"])
-    ins = (q, kv, comp, sink)
-    o_u = T.sparse_attn(*args, configs=UNION16)
-    g_u = _grads(o_u, ins)
-    o_1 = T.sparse_attn(*args, configs=ONE16)
-    g_1 = _grads(o_1, ins)
-    # two bf16 kernels (P, dS rounded to bf16 alike, fp32 sums in different orders): the bounds against naive
-    # (test_triton_matches_naive), not measured for this pair
-    assert_rel("o union vs one", o_u, o_1, 1e-2)
-    for n, a, b in zip(("dq", "dkv", "dcomp", "dsink"), g_u, g_1):
-        assert_rel(f"{n} union vs one", a, b, 5e-2 if n == "dcomp" else 2e-2)
-    if S == 4096:
-        ref = sparse_attn(q, kv, comp, idx, sink, 128, 4, scale, **meta, backend="naive")
-        assert_rel("o", o_u, ref, 1e-2)
-        for n, a, b in zip(("dq", "dkv", "dcomp", "dsink"), g_u, _grads(ref, ins)):
-            assert_rel(n, a, b, 5e-2 if n == "dcomp" else 2e-2)

@@ -15,31 +15,14 @@ QB * HB rows (query-major: row r = query t0 + r // HB, head r % HB) are the M di
 HB = min(next_pow2(H), largest BH): with H >= BH (DSv4, H = 64) a program is one query, as in FlashMLA; with
 fewer heads (`proxy`, H = 16) QB = BH / HB queries can share the window and HCA key tiles instead of leaving rows
 of the tile empty (4x fewer window / HCA key loads in the forward, and 2x fewer dKV atomics in the backward, at
-H = 16).
-
-CSA picks are per query. A one-query program (BH == HB) streams its query's picks. A several-query program
-streams the UNION of its QB queries' picks once, as one key set: `csa_union` (PyTorch, vectorised, no host sync)
-gives per group of QB consecutive queries the sorted distinct entry ids, an int32 bitmask per entry (bit qi: query
-qi of the group listed it) and the union's length; row r sees union entry u iff its query's bit is set and the
-entry is visible to that query. Neighbouring queries' picks overlap, so the union is smaller than QB * k and its
-tiles are full BH-row dots with little masking (dKV: one atomic per union entry in the backward); with picks that
-do not overlap it is up to QB x the MMA work of the one-query programs. Which is faster depends on the overlap,
-so the tuner decides: for CSA the prune keeps the one-query configs (BH == HB) and the union configs (BH == UBH,
-the pass's union rows: 64 forward, 32 backward, 16 on the interpreter; QB = UBH / HB), at H = 16 4 queries a
-forward program against 1 and 2 a backward one against 1, timed per pass on the first call of a tune key (H, c,
-mode, HB: not the length), so that call's picks decide. At H = 64 (BH == HB == UBH) the configs and the one-query
-code are those the kernel always had. The launcher allocates the union's buffers; a pre_hook of the union configs
-(`_fill_union`) builds the union into them before each launch that reads it: per pass (the forward's and the
-backward's groups differ: the backward's BH = 64 does not fit shared memory), never when one-query programs won,
-and the tuner's time of a union config includes building it (a sort of Tq * k keys). A group is at most 32
-queries (the int32 mask): for CSA HB >= BH / 32.
-
-A key tile's load is masked by its address range only (rows <= u, listed idx >= 0, the slot range); visibility
-(document, window, entry completeness, from seg / pos / entry_seg / entry_j) masks the logits, so the tile load
-never waits on the metadata gathers (two levels of indirection stall the software pipeline). Keys stream in tiles
-of BN rows (window rows are contiguous, CSA rows are gathered by index, HCA rows are contiguous), online softmax in
-the exp2 domain, seeded with the sink (running max = sink, running sum = 1), so a query with no key is well
-defined.
+H = 16). Each query's CSA picks are its own: they stream one query at a time with the other rows masked, so a
+several-query program spends QB x the MMA work on them; the tuner also times BH = HB (one query a program, M = 16
+tiles at H = 16) and keeps, per mode, whichever is faster. A key tile's
+load is masked by its address range only (rows <= u, listed idx >= 0, the slot range); visibility (document,
+window, entry completeness, from seg / pos / entry_seg / entry_j) masks the logits, so the tile load never waits
+on the metadata gathers (two levels of indirection stall the software pipeline). Keys stream in tiles of BN rows
+(window rows are contiguous, CSA rows are gathered by index, HCA rows are contiguous), online softmax in the exp2 domain,
+seeded with the sink (running max = sink, running sum = 1), so a query with no key is well defined.
 
 Backward (one fused kernel, FA2 style with the stored log-sum-exp): per key tile recompute P, dP = dO Vᵀ,
 dS = P (dP - delta) * scale; dQ += dS K stays in registers; dKV_tile = dSᵀ Q + Pᵀ dO (K = V, the heads of the
@@ -66,93 +49,32 @@ MODE_NONE, MODE_IDX, MODE_ALL = 0, 1, 2
 # plain [BN, BD] dKV form needs q and dO twice in shared memory at BH=64 (> 228 KB): BH=32 (mma.sync). The
 # transposed form (DKT: q / dO reused as transposed A operands) fits BH=64 with wgmma but faulted on the device.
 # The launcher fixes HB (heads a program) before tuning; the configs' BH (rows a program) then sets QB = BH / HB
-# queries a program. Window / HCA: the prune keeps the configs with BH >= HB. CSA (MODE 1): it keeps BH == HB (one
-# query a program, the per-query pick loop) and BH == UBH, the pass's union rows (_FWD_BH / _BWD_BH, _CPU_BH on the
-# interpreter): QB = UBH / HB queries stream the union of their picks, which the launcher built for that QB. So
-# with H <= 16 (`proxy`) the tuner times the union programs (BH 64 fwd / 32 bwd) against one query a program
-# (BH 16, M = 16 mma.sync tiles), per mode and pass; at H = 64, BH == HB == UBH: the configs it always had.
+# queries a program, and the prune keeps the configs with BH >= HB. With H <= 16 (`proxy`) the tuner so also times
+# BH = 16 = one query a program (M = 16 mma.sync tiles): the CSA picks are per query, and in a several-query
+# program each query's pick tiles run the whole BH-row dot with the other rows masked (4x the MMA work at QB = 4).
 _FWD_BH, _BWD_BH, _CPU_BH = 64, 32, 16
 
 
 def _bh_at_least_hb(cfgs, args):
-    if args["MODE"] == MODE_IDX:
-        return [c for c in cfgs if c.kwargs["BH"] in (args["HB"], args["UBH"])]
     return [c for c in cfgs if c.kwargs["BH"] >= args["HB"]]
 
 
-def _fill_union(args):
-    """pre_hook of the configs that can be union programs (BH == UBH): before a several-query CSA launch (BH > HB)
-    fill UIDX / UBITS / ULEN, which the launcher allocated, with `csa_union` for QB = BH / HB; otherwise (one
-    query a program, window / HCA) nothing. So the union is built only for launches that read it, and the tuner's
-    time of a union config includes building it."""
-    if args["MODE"] == MODE_IDX and args["BH"] > args["HB"]:
-        csa_union(args["IDX"], args["BH"] // args["HB"], out=(args["UIDX"], args["UBITS"], args["ULEN"]))
-
-
 _FWD_CONFIGS = configs(
-    gpu=[dict(BH=_FWD_BH, BN=64, num_warps=8, num_stages=2, pre_hook=_fill_union),
-         dict(BH=_FWD_BH, BN=32, num_warps=8, num_stages=2, pre_hook=_fill_union),
-         dict(BH=_FWD_BH, BN=32, num_warps=8, num_stages=3, pre_hook=_fill_union),
+    gpu=[dict(BH=_FWD_BH, BN=64, num_warps=8, num_stages=2), dict(BH=_FWD_BH, BN=32, num_warps=8, num_stages=2),
+         dict(BH=_FWD_BH, BN=32, num_warps=8, num_stages=3),
          dict(BH=16, BN=64, num_warps=8, num_stages=2), dict(BH=16, BN=32, num_warps=4, num_stages=3)],
-    cpu=dict(BH=_CPU_BH, BN=16, num_warps=4, num_stages=1, pre_hook=_fill_union), prune=_bh_at_least_hb)
+    cpu=dict(BH=_CPU_BH, BN=16, num_warps=4, num_stages=1), prune=_bh_at_least_hb)
 _BWD_CONFIGS = configs(   # DKT=True (BH=64, wgmma) hit an illegal address on the H200 (triton 3.6, c=512): off
-    gpu=[dict(BH=_BWD_BH, BN=32, DKT=False, num_warps=8, num_stages=1, pre_hook=_fill_union),
-         dict(BH=_BWD_BH, BN=16, DKT=False, num_warps=8, num_stages=2, pre_hook=_fill_union),
+    gpu=[dict(BH=_BWD_BH, BN=32, DKT=False, num_warps=8, num_stages=1),
+         dict(BH=_BWD_BH, BN=16, DKT=False, num_warps=8, num_stages=2),
          dict(BH=16, BN=32, DKT=False, num_warps=8, num_stages=1),
          dict(BH=16, BN=16, DKT=False, num_warps=4, num_stages=2)],
-    cpu=dict(BH=_CPU_BH, BN=16, DKT=False, num_warps=4, num_stages=1, pre_hook=_fill_union), prune=_bh_at_least_hb)
+    cpu=dict(BH=_CPU_BH, BN=16, DKT=False, num_warps=4, num_stages=1), prune=_bh_at_least_hb)
 
 
-def _heads(x, H: int, bh_max: int, mode: int = MODE_NONE) -> int:
-    """HB heads a program for H heads: min(next_pow2(H), the largest BH of the device's configs); for CSA at least
-    1/32 of it (a union group's membership bits are an int32: at most 32 queries a program)."""
-    bh = _CPU_BH if on_cpu(x) else bh_max
-    hb = min(triton.next_power_of_2(int(H)), bh)
-    return max(hb, bh // 32) if mode == MODE_IDX else hb
-
-
-def _union_rows(x, bh_max: int) -> int:
-    """UBH: the rows of a union program (CSA, several queries) in a pass: its configs' BH (`_FWD_BH` /
-    `_BWD_BH`), `_CPU_BH` on the interpreter."""
-    return _CPU_BH if on_cpu(x) else bh_max
-
-
-def csa_union(idx: torch.Tensor, qb: int, out=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The CSA picks of each group of qb consecutive queries as one key set (a union program's keys).
-
-    idx [Tq, K] (-1 = none; an entry listed at most once per query, the contract) ->
-      uidx [G, qb*K] idx.dtype  the group's distinct listed entry ids, ascending, then -1,  G = cdiv(Tq, qb),
-      bits [G, qb*K] int32      bit qi set iff query g*qb + qi listed uidx[g, u] (qb <= 32),
-      ulen [G] int32            the number of distinct entries of group g (the kernels loop to it);
-    written into `out` (those three tensors) when given. Queries past Tq (the last group's tail) list nothing.
-    Vectorised on idx's device, no host sync: sort the keys idx*qb + qi of each group; a run of equal idx is one
-    union entry (its slot: the number of runs before it), its queries' bits are summed into the slot."""
-    assert 1 <= qb <= 32, qb
-    Tq, K = idx.shape
-    G, L = triton.cdiv(Tq, qb), qb * K
-    grp = idx
-    if G * qb != Tq:
-        grp = torch.full((G * qb, K), -1, dtype=idx.dtype, device=idx.device)
-        grp[:Tq] = idx
-    grp = grp.reshape(G, qb, K)                                                 # [G, qb, K]
-    qi = torch.arange(qb, dtype=idx.dtype, device=idx.device).view(1, qb, 1)
-    none = torch.iinfo(idx.dtype).max                                           # sorts after every real key
-    key = torch.where(grp >= 0, grp * qb + qi, none).view(G, L).sort(dim=1).values   # [G, L]
-    listed = key != none
-    ent, who = key // qb, (key % qb).to(torch.int32)                            # [G, L] entry id, query in group
-    start = listed.clone()                                                      # first key of each entry's run
-    start[:, 1:] &= ent[:, 1:] != ent[:, :-1]
-    slot = (start.cumsum(1) - 1).clamp_(min=0)          # [G, L] the key's union slot (unlisted keys: the last one)
-    if out is None:
-        dev = idx.device
-        out = (torch.empty(G, L, dtype=idx.dtype, device=dev), torch.empty(G, L, dtype=torch.int32, device=dev),
-               torch.empty(G, dtype=torch.int32, device=dev))
-    uidx, bits, ulen = out
-    uidx.fill_(-1).scatter_reduce_(1, slot, torch.where(listed, ent, -1), "amax")   # -1 where no entry
-    bit = torch.bitwise_left_shift(torch.ones_like(who), who)
-    bits.zero_().scatter_add_(1, slot, torch.where(listed, bit, 0))             # (entry, query) pairs are unique
-    ulen.copy_(start.sum(1))
-    return uidx, bits, ulen
+def _heads(x, H: int, bh_max: int) -> int:
+    """HB heads a program for H heads: min(next_pow2(H), the largest BH of the device's configs)."""
+    return min(triton.next_power_of_2(int(H)), _CPU_BH if on_cpu(x) else bh_max)
 
 
 def _grid(Tq: int, H: int, hb: int):
@@ -231,24 +153,13 @@ def _entry_valid_rows(ESEG, EJ, idx, live, seg_u, pos_u, ratio):
         (ej[None, :] < ((pos_u + 1) // ratio)[:, None])
 
 
-@triton.jit
-def _union_tile(UIDX, UBITS, ESEG, EJ, g_off, offs_n, n_u, qi, seg_u, pos_u, ratio):
-    """(idx [BN], valid [BH, BN]) of union slots offs_n of the group at UIDX / UBITS + g_off (n_u slots): row r
-    sees entry idx iff its query qi[r] listed it (bit qi of the slot's mask) and it is visible to that query."""
-    live = offs_n < n_u
-    idx = tl.load(UIDX + g_off + offs_n, mask=live, other=-1)
-    bits = tl.load(UBITS + g_off + offs_n, mask=live, other=0)
-    member = ((bits[None, :] >> qi[:, None]) & 1) != 0
-    return idx, member & _entry_valid_rows(ESEG, EJ, idx, idx >= 0, seg_u, pos_u, ratio)
-
-
 @triton.autotune(**_FWD_CONFIGS, key=["H", "BD", "MODE", "HB"])
 @triton.jit
-def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EHI, UIDX, UBITS, ULEN,
-                     sq_s, sq_h, skv_s, sc_s, si_s, su_s, so_s, so_h, sl_s,
+def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EHI,
+                     sq_s, sq_h, skv_s, sc_s, si_s, so_s, so_h, sl_s,
                      TQ, H, NSEL, window, ratio, qk_scale, q_off,
                      C: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr,
-                     UBH: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
+                     BH: tl.constexpr, BN: tl.constexpr):
     t0 = tl.program_id(0).to(tl.int64) * (BH // HB)            # BH // HB = QB queries per program (constexpr)
     rows = tl.arange(0, BH)
     qi = rows // HB                                             # [BH] each row's query (t0 + qi) and head
@@ -276,28 +187,19 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EH
         k = tl.load(KV + offs_n[:, None] * skv_s + offs_d[None, :], mask=(offs_n <= u_hi)[:, None] & dmask[None, :],
                     other=0.0)
         m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
-    if MODE == 1:                                               # CSA: gathered top-k entries
-        if BH == HB:                                            # one query: its picks
-            for j in range(0, BH // HB):                        # (one iteration: the H = 64 kernel's code as it was)
-                tj = t0 + j
-                n_j = NSEL * (tj < TQ).to(tl.int32)             # no picks past the last query
-                uj = tl.minimum(tj, TQ - 1) + q_off
-                seg_j = tl.load(SEG + uj)
-                pos_j = tl.load(POS + uj)
-                for s0 in range(0, n_j, BN):
-                    offs_n = s0 + tl.arange(0, BN)
-                    idx = tl.load(IDX + tj * si_s + offs_n, mask=offs_n < n_j, other=-1)
-                    valid = _entry_valid(ESEG, EJ, idx, idx >= 0, seg_j, pos_j, ratio)[None, :]
-                    k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :],
-                                mask=(idx >= 0)[:, None] & dmask[None, :], other=0.0)
-                    m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
-        else:                                                   # several queries: the union of their picks
-            tl.static_assert(BH == UBH)                         # the group size `csa_union` was built for
-            g = tl.program_id(0).to(tl.int64)
-            n_u = tl.load(ULEN + g)
-            for s0 in range(0, n_u, BN):
+    if MODE == 1:                                               # CSA: gathered top-k entries, one query at a time
+        for j in range(0, BH // HB):                    # a loop: unrolled, it spilled 3x more
+            tj = t0 + j
+            n_j = NSEL * (tj < TQ).to(tl.int32)                 # no picks past the last query
+            uj = tl.minimum(tj, TQ - 1) + q_off
+            seg_j = tl.load(SEG + uj)
+            pos_j = tl.load(POS + uj)
+            for s0 in range(0, n_j, BN):
                 offs_n = s0 + tl.arange(0, BN)
-                idx, valid = _union_tile(UIDX, UBITS, ESEG, EJ, g * su_s, offs_n, n_u, qi, seg_u, pos_u, ratio)
+                idx = tl.load(IDX + tj * si_s + offs_n, mask=offs_n < n_j, other=-1)
+                valid = _entry_valid(ESEG, EJ, idx, idx >= 0, seg_j, pos_j, ratio)[None, :]   # query j's picks
+                if BH != HB:                                    # several queries: query j's rows only
+                    valid = valid & (qi == j)[:, None]
                 k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=(idx >= 0)[:, None] & dmask[None, :],
                             other=0.0)
                 m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
@@ -353,11 +255,10 @@ def _dk_add(DK, rows, s_row, offs_d, valid, dmask, dk, DKT: tl.constexpr):
 @triton.autotune(**_BWD_CONFIGS, key=["H", "BD", "MODE", "HB"], reset_to_zero=["DKV", "DCOMP"])
 @triton.jit
 def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, POS, ESEG, EJ, ELO, EHI,
-                     UIDX, UBITS, ULEN,
-                     sq_s, sq_h, skv_s, sc_s, si_s, su_s, so_s, so_h, sl_s,
+                     sq_s, sq_h, skv_s, sc_s, si_s, so_s, so_h, sl_s,
                      TQ, H, NSEL, window, ratio, qk_scale, scale, q_off,
                      C: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr,
-                     UBH: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, DKT: tl.constexpr):
+                     BH: tl.constexpr, BN: tl.constexpr, DKT: tl.constexpr):
     # Q/DQ/O/DO share strides (sq_*, so_*: q and dq; o and do), KV/DKV share skv_*, COMP/DCOMP share sc_*.
     # Rows as in the forward: row r = query t0 + r // HB, head r % HB of the program's head block.
     t0 = tl.program_id(0).to(tl.int64) * (BH // HB)
@@ -394,28 +295,18 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, P
         dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
         _dk_add(DKV, offs_n, skv_s, offs_d, valid, dmask, dk, DKT)
     if MODE == 1:
-        if BH == HB:                                            # one query: its picks
-            for j in tl.static_range(BH // HB):                 # (one step: the H = 64 kernel's code as it was)
-                tj = t0 + j
-                n_j = NSEL * (tj < TQ).to(tl.int32)             # no picks past the last query
-                uj = tl.minimum(tj, TQ - 1) + q_off
-                seg_j = tl.load(SEG + uj)
-                pos_j = tl.load(POS + uj)
-                for s0 in range(0, n_j, BN):
-                    offs_n = s0 + tl.arange(0, BN)
-                    idx = tl.load(IDX + tj * si_s + offs_n, mask=offs_n < n_j, other=-1)
-                    valid = _entry_valid(ESEG, EJ, idx, idx >= 0, seg_j, pos_j, ratio)[None, :]
-                    k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :],
-                                mask=(idx >= 0)[:, None] & dmask[None, :], other=0.0)
-                    dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
-                    _dk_add(DCOMP, idx, sc_s, offs_d, valid, dmask, dk, DKT)
-        else:                                                   # several queries: the union of their picks,
-            tl.static_assert(BH == UBH)                         # one dKV atomic per union entry
-            g = tl.program_id(0).to(tl.int64)
-            n_u = tl.load(ULEN + g)
-            for s0 in range(0, n_u, BN):
+        for j in tl.static_range(BH // HB):             # unrolled: as a loop it spilled 3x more
+            tj = t0 + j
+            n_j = NSEL * (tj < TQ).to(tl.int32)                 # no picks past the last query
+            uj = tl.minimum(tj, TQ - 1) + q_off
+            seg_j = tl.load(SEG + uj)
+            pos_j = tl.load(POS + uj)
+            for s0 in range(0, n_j, BN):
                 offs_n = s0 + tl.arange(0, BN)
-                idx, valid = _union_tile(UIDX, UBITS, ESEG, EJ, g * su_s, offs_n, n_u, qi, seg_u, pos_u, ratio)
+                idx = tl.load(IDX + tj * si_s + offs_n, mask=offs_n < n_j, other=-1)
+                valid = _entry_valid(ESEG, EJ, idx, idx >= 0, seg_j, pos_j, ratio)[None, :]   # query j's picks
+                if BH != HB:                                    # several queries: query j's rows only
+                    valid = valid & (qi == j)[:, None]
                 k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=(idx >= 0)[:, None] & dmask[None, :],
                             other=0.0)
                 dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
@@ -522,53 +413,24 @@ def prepare(q, kv, comp, comp_idx, ratio, seg, pos, entry_seg, entry_j, q_off):
     return mode, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, elo, ehi
 
 
-def _union_buffers(q, mode, idx_t, hb: int, ubh: int):
-    """The union launch arguments of a pass (UIDX, UBITS, ULEN), empty: `_fill_union` fills them before a union
-    config runs. Allocated for QB = ubh / hb when the layer is CSA and QB > 1; dummy pointers otherwise (one-query
-    programs and window / HCA layers never read them)."""
-    if mode == MODE_IDX and ubh > hb:
-        G, L = triton.cdiv(idx_t.shape[0], ubh // hb), ubh // hb * idx_t.shape[1]
-        return (torch.empty(G, L, dtype=idx_t.dtype, device=q.device), torch.empty(G, L, dtype=torch.int32,
-                device=q.device), torch.empty(G, dtype=torch.int32, device=q.device))
-    dummy = torch.zeros(1, 1, dtype=torch.int32, device=q.device)
-    return dummy, dummy, dummy.view(1)
-
-
-def _launch(kernel, cfg, Tq: int, H: int, hb: int, *args, **kwargs):
-    """Launch the autotuned `kernel`, or with `cfg` (a config dict as in `_FWD_CONFIGS`: meta-parameters plus
-    num_warps / num_stages) its JIT function with exactly that config: tests pin a path the GPU tuner would choose
-    by time (the union programs)."""
-    if cfg is None:
-        kernel[_grid(Tq, H, hb)](*args, **kwargs)
-        return
-    meta = dict(cfg)
-    warps, stages = meta.pop("num_warps", 4), meta.pop("num_stages", 2)
-    _fill_union({**dict(zip(kernel.arg_names, args)), **kwargs, **meta})          # what the configs' pre_hook does
-    kernel.fn[_grid(Tq, H, hb)(meta)](*args, **kwargs, **meta, num_warps=warps, num_stages=stages)
-
-
 class _SparseAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_off,
-                configs=None):
+    def forward(ctx, q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_off):
         q, kv = q.contiguous(), kv.contiguous()
         Tq, H, C = q.shape
         mode, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, elo, ehi = prepare(
             q, kv, comp, comp_idx, ratio, seg, pos, entry_seg, entry_j, q_off)
         o = torch.empty_like(q)
         lse = torch.empty(Tq, H, device=q.device, dtype=torch.float32)
-        hb, ubh = _heads(q, H, _FWD_BH, mode), _union_rows(q, _FWD_BH)
-        uidx, ubits, ulen = _union_buffers(q, mode, idx_t, hb, ubh)
-        _launch(
-            _sparse_attn_fwd, configs and configs[0], Tq, H, hb,
-            q, kv, comp_t, idx_t, sink.contiguous(), o, lse, seg, pos, eseg, ej, elo, ehi, uidx, ubits, ulen,
-            q.stride(0), q.stride(1), kv.stride(0), comp_t.stride(0), idx_t.stride(0), uidx.stride(0), o.stride(0),
-            o.stride(1), lse.stride(0), Tq, H, nsel, int(window), ratio, float(scale) * LOG2E, int(q_off),
-            C=C, MODE=mode, PREC=_prec(q), BD=pow2(C), HB=hb, UBH=ubh)
+        hb = _heads(q, H, _FWD_BH)
+        _sparse_attn_fwd[_grid(Tq, H, hb)](
+            q, kv, comp_t, idx_t, sink.contiguous(), o, lse, seg, pos, eseg, ej, elo, ehi,
+            q.stride(0), q.stride(1), kv.stride(0), comp_t.stride(0), idx_t.stride(0), o.stride(0), o.stride(1),
+            lse.stride(0), Tq, H, nsel, int(window), ratio, float(scale) * LOG2E, int(q_off),
+            C=C, MODE=mode, PREC=_prec(q), BD=pow2(C), HB=hb)
         ctx.save_for_backward(q, kv, comp_t, idx_t, sink, o, lse, seg, pos, eseg, ej, elo, ehi)
         ctx.cfg = (mode, nsel, int(window), ratio, float(scale), int(q_off))
         ctx.comp_none = comp is None
-        ctx.configs = configs
         return o
 
     @staticmethod
@@ -582,30 +444,27 @@ class _SparseAttn(torch.autograd.Function):
         has_comp = mode != MODE_NONE
         dcomp = torch.zeros(comp_t.shape, device=q.device, dtype=torch.float32) if has_comp else dkv
         delta = torch.empty_like(lse)
-        hb, ubh = _heads(q, H, _BWD_BH, mode), _union_rows(q, _BWD_BH)
-        uidx, ubits, ulen = _union_buffers(q, mode, idx_t, hb, ubh)
-        _launch(
-            _sparse_attn_bwd, ctx.configs and ctx.configs[1], Tq, H, hb,
-            q, kv, comp_t, idx_t, o, do, lse, dq, dkv, dcomp, delta, seg, pos, eseg, ej, elo, ehi, uidx, ubits, ulen,
-            q.stride(0), q.stride(1), kv.stride(0), comp_t.stride(0), idx_t.stride(0), uidx.stride(0), o.stride(0),
-            o.stride(1), lse.stride(0), Tq, H, nsel, window, ratio, scale * LOG2E, scale, q_off,
-            C=C, MODE=mode, PREC=_prec(q), BD=pow2(C), HB=hb, UBH=ubh)
+        hb = _heads(q, H, _BWD_BH)
+        _sparse_attn_bwd[_grid(Tq, H, hb)](
+            q, kv, comp_t, idx_t, o, do, lse, dq, dkv, dcomp, delta, seg, pos, eseg, ej, elo, ehi,
+            q.stride(0), q.stride(1), kv.stride(0), comp_t.stride(0), idx_t.stride(0), o.stride(0), o.stride(1),
+            lse.stride(0), Tq, H, nsel, window, ratio, scale * LOG2E, scale, q_off,
+            C=C, MODE=mode, PREC=_prec(q), BD=pow2(C), HB=hb)
         # d sink_h = -Σ_t p_sink(t,h) · delta(t,h),  p_sink = exp(z_h - lse)   (lse in log2 units)
         p_sink = torch.exp2(sink.float() * LOG2E - lse)
         dsink = -(p_sink * delta).sum(0).to(sink.dtype)
         dcomp_out = None if ctx.comp_none else (dcomp.to(comp_t.dtype) if has_comp else None)
-        return (dq, dkv.to(kv.dtype), dcomp_out, None, dsink) + (None,) * 9
+        return (dq, dkv.to(kv.dtype), dcomp_out, None, dsink) + (None,) * 8
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor | None, comp_idx: torch.Tensor | None,
                 sink: torch.Tensor, window: int, ratio: int, scale: float, seg: torch.Tensor, pos: torch.Tensor,
                 entry_seg: torch.Tensor | None = None, entry_j: torch.Tensor | None = None,
-                q_offset: int = 0, configs: tuple[dict | None, dict | None] | None = None) -> torch.Tensor:
+                q_offset: int = 0) -> torch.Tensor:
     """Triton sparse attention; same contract as `naive.sparse_attn`: q [Tq,H,c], kv [Tk,c], comp [N,c] | None,
-    comp_idx [Tq,k] | None, sink [H], seg/pos [Tk], entry_seg/entry_j [N] -> o [Tq,H,c]. configs: (forward,
-    backward) config dicts that replace the autotuner's choice (None: tuned), see `_launch`."""
+    comp_idx [Tq,k] | None, sink [H], seg/pos [Tk], entry_seg/entry_j [N] -> o [Tq,H,c]."""
     naive.check_args(q, kv, comp, comp_idx, sink, window, ratio, seg, pos, entry_seg, entry_j, q_offset)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return _SparseAttn.apply(q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j,
-                             int(q_offset), configs)
+                             int(q_offset))
