@@ -6,7 +6,9 @@ Per op (shapes = DSv4-Flash where the op has them; B = 1):
                really sees (fwd 2·H·ΣK_t·(c+c), bwd 2·H·ΣK_t·(3c+2c)); the nominal K=640 numbers too.
                Peer: dense causal `scaled_dot_product_attention` (flash/efficient/cuDNN backends, no math
                fallback), same H and c, at the same S; the naive path at the smallest S only (O(S²) memory).
-  indexer      nI=64, cI=128, ratio 4: scoring fwd/bwd TFLOP/s over causal (t, j) pairs; top-k k=512.
+  indexer      nI=64, cI=128, ratio 4: scoring fwd/bwd TFLOP/s over causal (t, j) pairs; top-k k=512; and
+               `topk_rows`: the radix-select top-k (kernels/indexer/topk.py) vs naive's sort on [4096, N] score
+               chunks, N = 4K / 16K / 32K.
   compressor   CSA D=512 (overlap) / indexer D=128 (overlap) / HCA D=512 (ratio 128) at T in --tokens, bf16,
                packed API (slot metadata included): TB/s over `COMPRESSOR_BYTES`; the naive path as a peer.
   mhc          N in --tokens x n=4 x d=4096 bf16: hc_pre / hc_post fwd and bwd, TB/s over `MHC_BYTES` (the
@@ -258,7 +260,39 @@ def _bench_indexer(seqs, log):
         rows.append(row)
         del q, kk, w
         torch.cuda.empty_cache()
-    return {"rows": rows, "targets": {"fwd_tflops_bf16": 400}}
+    return {"rows": rows, "topk_rows": _bench_topk(log), "targets": {"fwd_tflops_bf16": 400}}
+
+
+def _bench_topk(log, R=4096, k=512):
+    """The radix-select top-k (kernels/indexer/topk.py, not yet the backend's) vs naive's full stable sort (what
+    `triton.indexer_topk` runs) on one [R, N] fp32 chunk of scores, N entries = a 4N-token sequence: the chunk's
+    rows at its end ("tail": all but the last <= 1K entries visible) and at its middle ("mid": the second half
+    -inf), randn scores."""
+    import torch
+
+    from dsv4.kernels.indexer import naive
+    from dsv4.kernels.indexer import topk as tk
+    out = []
+    for N in (4096, 16384, 32768):
+        for where, t0 in (("tail", 4 * N - R), ("mid", 2 * N - R)):
+            vis = (torch.arange(t0, t0 + R, device="cuda") + 1) // 4                 # [R] visible entries
+            I = torch.randn(R, N, device="cuda").masked_fill(torch.arange(N, device="cuda")[None] >= vis[:, None],
+                                                            float("-inf"))
+            row = {"N": N, "rows": R, "k": k, "rows_at": where}
+            try:
+                row["radix_ms"] = _ms(lambda: tk.indexer_topk(I, k))
+                row["sort_ms"] = _ms(lambda: naive.indexer_topk(I, k))
+                row["speedup_vs_sort"] = row["sort_ms"] / row["radix_ms"]
+                row["radix_read_tbps_5_passes"] = 5 * I.numel() * 4 / row["radix_ms"] * 1e-9
+                row["equal_naive"] = bool(torch.equal(tk.indexer_topk(I, k), naive.indexer_topk(I, k)))
+                row["config"] = str(tk._radix_topk_tuned.best_config)
+            except Exception as e:  # noqa: BLE001
+                row.update(_err(repr(e)))
+            log(row)
+            out.append(row)
+            del I
+            torch.cuda.empty_cache()
+    return out
 
 
 # ------------------------------------------------------------------------------------------------- compressor
