@@ -19,14 +19,14 @@ import importlib.util
 BACKENDS = ("naive", "triton")
 
 # op -> backend -> "module:function" (under dsv4.kernels). Ops without a Triton kernel name their reference
-# (or a plain-PyTorch variant) under "triton" explicitly: mhc's sinkhorn and hc_head, the indexer's top-k.
+# (or a plain-PyTorch variant) under "triton" explicitly: mhc's sinkhorn and hc_head.
 OPS: dict[str, dict[str, str]] = {
     "sparse_attn": {"naive": "sparse_attn.naive:sparse_attn", "triton": "sparse_attn.op:sparse_attn"},
     "sparse_attn_entry_probs": {"naive": "sparse_attn.naive:entry_probs", "triton": "sparse_attn.op:entry_probs"},
     "compress_pool": {"naive": "compressor.naive:compress_pool", "triton": "compressor.op:compress_pool"},
     "indexer_scores": {"naive": "indexer.naive:indexer_scores", "triton": "indexer.op:indexer_scores"},
     "indexer_scores_listed": {"naive": "indexer.naive:indexer_scores_listed", "triton": "indexer.op:indexer_scores_listed"},
-    "indexer_topk": {"naive": "indexer.naive:indexer_topk", "triton": "indexer.triton:indexer_topk"},
+    "indexer_topk": {"naive": "indexer.naive:indexer_topk", "triton": "indexer.op:indexer_topk"},
     "sinkhorn": {"naive": "mhc.naive:sinkhorn", "triton": "mhc.naive:sinkhorn"},
     "hc_pre": {"naive": "mhc.naive:hc_pre", "triton": "mhc.op:hc_pre"},
     "hc_post": {"naive": "mhc.naive:hc_post", "triton": "mhc.op:hc_post"},

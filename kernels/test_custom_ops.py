@@ -35,6 +35,10 @@ def _cases():
     yield "compress_pool_fwd", (_r(12, 2 * c), _r(12, 2 * c), _r(2, 2 * c), r0, hp, cpos, 2, True, 0)
     yield "indexer_scores_fwd", (_r(S, 2, c), _r(S // ratio, c), _r(S, 2), ratio, seg, pos, eseg, ej)
     yield "indexer_scores_listed_fwd", (_r(S, 2, c), _r(S // ratio, c), _r(S, 2), idx)
+    scores = _r(S, 7, grad=False).masked_fill(torch.arange(7, device=DEV) > torch.arange(S, device=DEV)[:, None],
+                                             float("-inf"))
+    yield "indexer_topk", (scores, 3)
+    yield "indexer_topk", (scores.bfloat16(), 9)                                           # k > N
     yield "sparse_attn_entry_probs", (_r(S, H, c, grad=False), _r(S // ratio, c, grad=False), idx,
                                       _r(S, H, grad=False).abs() + 3, seg, pos, eseg, ej, ratio, 0.25, 0)
     yield "hc_pre_fwd", (_r(N, n, d), _r((2 + n) * n, n * d), _r((2 + n) * n), _r(3), 3, 1e-6, 1e-6)
@@ -58,7 +62,8 @@ def test_opcheck_every_triton_custom_op():
     for name, args in _cases():
         seen.add(name)
         torch.library.opcheck(getattr(torch.ops.dsv4, name).default, args)
-    assert seen >= {n for n in dir(torch.ops.dsv4) if n.endswith("_fwd")} | {"rope_rows", "ce_lse", "ce_dlogits"}
+    assert seen >= {n for n in dir(torch.ops.dsv4) if n.endswith("_fwd")} | {"rope_rows", "ce_lse", "ce_dlogits",
+                                                                              "indexer_topk"}
 
 
 def test_get_op_names_what_is_missing(monkeypatch):

@@ -2,12 +2,13 @@
 ops (opaque to torch.compile; fake implementations for shapes). The bodies run `triton._IndexerScores`'s
 forward / backward with a plain ctx record (`FnCtx`), so the numerics are those of the autograd.Function.
 Packed layout (the contract of `naive.indexer_scores`): qI [Tq,nI,cI], kI [N,cI], w [Tq,nI], document metadata.
-Top-k (`indexer_topk`) is plain PyTorch (a stable sort) and needs no registration."""
+`dsv4::indexer_topk`: the radix-select top-k (topk.py), no autograd."""
 import torch
 
-from dsv4.kernels._custom_op import autograd_op, backward_op
+from dsv4.kernels._custom_op import autograd_op, backward_op, traced
 from dsv4.kernels._triton_util import FnCtx
 from dsv4.kernels.indexer import naive
+from dsv4.kernels.indexer import topk as TK
 from dsv4.kernels.indexer import triton as T
 
 Tensor = torch.Tensor
@@ -118,3 +119,24 @@ def indexer_scores_listed(qI: Tensor, kI: Tensor, w: Tensor, idx: Tensor) -> Ten
     """`naive.indexer_scores_listed` by the Triton kernels (custom op; CUDA or Triton's interpreter), the scores
     recomputed in backward."""
     return _scores_listed(qI, kI, w, idx)
+
+
+# ------------------------------------------------------------------ top-k (no autograd: indices)
+def _indexer_topk(I: Tensor, k: int) -> Tensor:
+    return TK.indexer_topk(I, k)
+
+
+indexer_topk_op = torch.library.custom_op("dsv4::indexer_topk", mutates_args=())(_indexer_topk)
+
+
+@indexer_topk_op.register_fake
+def _(I, k):
+    return I.new_empty(*I.shape[:-1], min(k, I.shape[-1]), dtype=torch.long)
+
+
+def indexer_topk(I: Tensor, k: int) -> Tensor:
+    """I [..., N] -> idx [..., min(k, N)] long == `naive.indexer_topk`, by radix select (topk.py); the custom op
+    while traced, the body directly in eager."""
+    if k < 1:
+        raise ValueError(f"indexer_topk: k must be >= 1, got {k}")
+    return indexer_topk_op(I, int(k)) if traced((I,)) else _indexer_topk(I, int(k))

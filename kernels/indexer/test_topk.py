@@ -1,4 +1,4 @@
-"""The radix-select top-k (kernels/indexer/topk.py; not yet behind `triton.indexer_topk`) == `naive.indexer_topk` (a
+"""The radix-select top-k (kernels/indexer/topk.py; the Triton backend's `indexer_topk`) == `naive.indexer_topk` (a
 stable descending sort) EXACTLY (torch.equal on the indices): ties -> lower index first, -1 for -inf picks,
 -0.0 == +0.0, NaN above +inf (torch.sort's order). CPU: Triton's interpreter with tiles of 32 entries (its CPU
 config), so rows of 37..300 entries span several tiles and end in a partial one; GPU: DSv4 shapes."""
@@ -85,6 +85,23 @@ def test_dtypes_shapes_and_args():
     assert torch.equal(topk.indexer_topk(I, 4, chunk=2), naive.indexer_topk(I, 4))            # 3 chunks
     with pytest.raises(ValueError, match="k must be >= 1"):
         topk.indexer_topk(I, 0)
+
+
+def test_backend_op_is_the_radix_select_in_eager_and_compiled_code():
+    """get_op("indexer_topk", "triton") is op.indexer_topk: eager calls run topk.indexer_topk, traced calls the
+    custom op dsv4::indexer_topk (fake shapes: [..., min(k, N)] long); both == naive."""
+    from dsv4 import kernels as K
+    from dsv4.kernels.indexer import op
+    assert K.get_op("indexer_topk", "triton", torch.device(DEV)) is op.indexer_topk
+    I = _rows("ties", 6, 45, 5)
+    assert torch.equal(op.indexer_topk(I, 7), naive.indexer_topk(I, 7))
+    assert torch.equal(torch.ops.dsv4.indexer_topk(I, 50), naive.indexer_topk(I, 50))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        f = op.indexer_topk(mode.from_tensor(I), 7)
+    assert f.shape == (6, 7) and f.dtype == torch.long
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        op.indexer_topk(I, 0)
 
 
 @pytest.mark.skipif(not CUDA, reason="DSv4 shapes: GPU only")

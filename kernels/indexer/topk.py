@@ -1,10 +1,10 @@
 """Exact top-k of score rows by radix select (Triton): the result of `naive.indexer_topk` (a stable descending
 sort, first k kept), without sorting the N entries of a row.
 
-NOT yet the Triton backend's top-k: `triton.indexer_topk` (what the model runs) still sorts, because this kernel
-has not run on a GPU (built after the wave's H200 measurements; at 64K / 128K tokens the sort's CUB segmented sorts
-were 15% / 32% of a proxy step's kernels, harness/perf_notes.md). `dsv4 bench kernels --only indexer` times both
-(`topk_rows`); once it is measured faster and its GPU test passes, `triton.indexer_topk` calls `indexer_topk` here.
+The Triton backend's top-k (kernels/__init__.py OPS -> `op.indexer_topk`, a custom op under torch.compile). It
+replaced a chunked stable sort (naive's algorithm), whose CUB segmented radix sorts were 15% / 32% of a proxy
+step's kernels at 64K / 128K tokens on the H200 (harness/perf_notes.md); `dsv4 bench kernels --only indexer` times
+both (`topk_rows`: radix vs the sort, same process).
 
 Order key: fp32 score -> uint32 key with the same order (sign bit flipped for >= 0, all bits flipped for < 0);
 -0.0 is first made +0.0 (torch.sort compares them equal, so they tie and keep index order) and every NaN gets
@@ -48,8 +48,9 @@ _CONFIGS = configs(gpu=[dict(BLOCK=2048, BITS=8, num_warps=8), dict(BLOCK=4096, 
 
 @triton.jit
 def _keys(X, offs, N):
-    """[BLOCK] fp32 scores at offs -> (uint32 order keys, scores); entries past N get key 0 (below any score)."""
-    x = tl.load(X + offs, mask=offs < N, other=0.0)
+    """[BLOCK] scores at offs (fp32 / bf16 / fp16, widened to fp32) -> (uint32 order keys, fp32 scores); entries
+    past N get key 0 (below any score)."""
+    x = tl.load(X + offs, mask=offs < N, other=0.0).to(tl.float32)               # bf16 / fp16: exact widening
     bits = tl.where(x == 0.0, 0.0, x).to(tl.uint32, bitcast=True)               # -0.0 -> +0.0
     key = tl.where((bits & 0x80000000) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
     key = tl.where(x != x, 0xFFFFFFFF, key)                                        # NaN: above +inf
@@ -117,10 +118,10 @@ _radix_topk_tuned = triton.autotune(**_CONFIGS, key=["N"])(_radix_topk)
 
 
 def radix_topk(I: torch.Tensor, k: int, cfg: dict | None = None) -> torch.Tensor:
-    """I [R, N] fp32 (CUDA, or CPU under TRITON_INTERPRET=1) -> idx [R, min(k, N)] long == `naive.indexer_topk`.
-    `cfg` = dict(BLOCK=, BITS=, num_warps=) bypasses the autotuner (tests)."""
-    if I.dtype != torch.float32 or I.dim() != 2:
-        raise ValueError(f"radix_topk: I must be a 2-D fp32 tensor, got {I.dtype} {tuple(I.shape)}")
+    """I [R, N] fp32 / bf16 / fp16 (CUDA, or CPU under TRITON_INTERPRET=1) -> idx [R, min(k, N)] long ==
+    `naive.indexer_topk`. `cfg` = dict(BLOCK=, BITS=, num_warps=) bypasses the autotuner (tests)."""
+    if I.dtype not in (torch.float32, torch.bfloat16, torch.float16) or I.dim() != 2:
+        raise ValueError(f"radix_topk: I must be a 2-D fp32 / bf16 / fp16 tensor, got {I.dtype} {tuple(I.shape)}")
     I = I.detach()
     if I.stride(-1) != 1:
         I = I.contiguous()
@@ -142,8 +143,8 @@ def radix_topk(I: torch.Tensor, k: int, cfg: dict | None = None) -> torch.Tensor
 def indexer_topk(I: torch.Tensor, k: int, chunk: int = 4096) -> torch.Tensor:
     """I [..., N] -> idx [..., min(k, N)] long == `naive.indexer_topk` (ties lower index first, -1 = -inf pick,
     NaN above +inf), by `radix_topk` per chunk of rows (its [chunk, k] buffers and sort). fp32 / bf16 / fp16
-    scores (the last two widened exactly); fp64 rows take naive's sort (a cast to fp32 could merge distinct
-    scores)."""
+    scores (the last two widened exactly in the kernel, no fp32 copy); fp64 rows take naive's sort (a cast to
+    fp32 could merge distinct scores)."""
     from dsv4.kernels.indexer import naive
     if k < 1:
         raise ValueError(f"indexer_topk: k must be >= 1, got {k}")
@@ -151,7 +152,7 @@ def indexer_topk(I: torch.Tensor, k: int, chunk: int = 4096) -> torch.Tensor:
         return naive.indexer_topk(I, k)
     lead, N = I.shape[:-1], I.shape[-1]
     kk = min(k, N)
-    I = I.detach().float().reshape(-1, N)                                      # [rows, N]
+    I = I.detach().reshape(-1, N)                                              # [rows, N]
     if kk == 0 or I.shape[0] == 0:
         return torch.empty(*lead, kk, dtype=torch.long, device=I.device)
     return torch.cat([radix_topk(I[s:s + chunk], kk) for s in range(0, I.shape[0], chunk)], 0).view(*lead, kk)

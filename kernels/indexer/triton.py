@@ -8,11 +8,9 @@ as the epilogue, so the [Tq, nI, N] per-head logits never exist; tiles outside e
 range (kernels/_varlen.py: other documents, not yet complete entries) are written as -inf without any product. Backward: two deterministic kernels that recompute the per-head logits
 (dq, dw per (query block, head group); partial dk per (entry block, head group), summed by PyTorch), no atomics.
 
-`indexer_topk` (same contract as `naive.indexer_topk`): a stable descending sort per row (= naive's algorithm,
-ties lower index first), in chunks of rows to bound the sort's workspace. NOT a streaming top-k: it needs the
-dense score rows (an int64 (score, -index) key + torch.topk was tried: 2.4x slower on the H200).
-`indexer_select` chains the two per chunk of query rows, so the full [S, B, T] score matrix is never held:
-peak memory O(chunk · T) instead of O(S · T).
+Top-k is topk.py (radix select; same contract as `naive.indexer_topk`). NOT a streaming top-k: it reads the
+dense score rows. `indexer_select` chains scores and top-k per chunk of query rows, so the full [S, B, T] score
+matrix is never held: peak memory O(chunk · T) instead of O(S · T).
 """
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ import triton.language as tl
 from dsv4.kernels._triton_util import configs, on_cpu, pow2
 from dsv4.kernels._varlen import entry_ranges, query_ranges
 
-from . import naive
+from . import naive, topk
 
 _FWD_CONFIGS = configs(gpu=[dict(BT=64, BJ=64, num_warps=4, num_stages=3), dict(BT=128, BJ=64, num_warps=8, num_stages=3)],
                        cpu=dict(BT=16, BJ=16))
@@ -202,18 +200,6 @@ def indexer_scores(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: i
     return _IndexerScores.apply(qI, kI, w, int(ratio), seg_q, pos_q, entry_seg, entry_j)
 
 
-def indexer_topk(I: torch.Tensor, k: int, chunk: int = 4096) -> torch.Tensor:
-    """I [Tq, N] -> idx [Tq, min(k, N)] long; `naive.indexer_topk` (a stable descending sort: measured on the
-    H200 2.4x faster than torch.topk over an int64 (score, -index) key) per chunk of rows, bounding the sort's
-    workspace."""
-    if k < 1:
-        raise ValueError(f"indexer_topk: k must be >= 1, got {k}")
-    kk = min(k, I.shape[-1])
-    if kk == 0:
-        return torch.empty(*I.shape[:-1], 0, dtype=torch.long, device=I.device)
-    return torch.cat([naive.indexer_topk(I[s:s + chunk], kk) for s in range(0, I.shape[0], chunk)], 0)
-
-
 def indexer_select(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: int, k: int, seg_q: torch.Tensor,
                    pos_q: torch.Tensor, entry_seg: torch.Tensor, entry_j: torch.Tensor,
                    chunk: int = 4096) -> torch.Tensor:
@@ -224,7 +210,8 @@ def indexer_select(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: i
     with torch.no_grad():
         for s0 in range(0, S, chunk):
             meta = _meta(seg_q[s0:s0 + chunk], pos_q[s0:s0 + chunk], entry_seg, entry_j)
-            outs.append(indexer_topk(_launch_fwd(qI[s0:s0 + chunk], kI, w[s0:s0 + chunk], ratio, meta), k, chunk))
+            outs.append(topk.indexer_topk(_launch_fwd(qI[s0:s0 + chunk], kI, w[s0:s0 + chunk], ratio, meta), k,
+                                          chunk))
     return torch.cat(outs, 0)
 
 
