@@ -251,7 +251,9 @@ def _listed_fwd(Q, K, W, IDX, OUT, sq_t, sq_h, sk, sw, si, NI, CI, k, coef,
     tl.store(OUT + t * si + slots, tl.where(live, score, float("-inf")), mask=sm)
 
 
-@triton.autotune(**_LIST_BWD_CONFIGS, key=["NP", "CP", "DENSE"])
+# reset_to_zero: the atomic route adds into DK, and every timed launch of the autotuner would add again (the GPU
+# test of that route saw dkI ~2900x too large, 2026-12-03; the S-GEMM route, the proxy's, only stores)
+@triton.autotune(**_LIST_BWD_CONFIGS, key=["NP", "CP", "DENSE"], reset_to_zero=["DK"])
 @triton.jit
 def _listed_bwd(Q, K, W, IDX, DI, DQ, DW, S, DK, t0, sq_t, sq_h, sk, sw, si, NI, CI, k, N, coef,
                 NP: tl.constexpr, CP: tl.constexpr, PREC: tl.constexpr, DENSE: tl.constexpr, BK: tl.constexpr):
