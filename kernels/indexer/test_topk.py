@@ -91,16 +91,25 @@ def test_dtypes_shapes_and_args():
         topk.indexer_topk(I, 0)
 
 
-def test_backend_op_is_the_radix_select_in_eager_and_compiled_code():
-    """get_op("indexer_topk", "triton") is op.indexer_topk: eager calls run topk.indexer_topk, traced calls the
-    custom op dsv4::indexer_topk (fake shapes: [..., min(k, N)] long); both == naive."""
+def test_backend_op_is_the_radix_select_in_eager_and_compiled_code(monkeypatch):
+    """get_op("indexer_topk", "triton") is op.indexer_topk: eager calls run its body, traced calls the custom op
+    dsv4::indexer_topk (fake shapes: [..., min(k, N)] long); rows of more than SORT_MAX_N entries go to the radix
+    select, shorter ones to naive's sort; all == naive."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from dsv4 import kernels as K
     from dsv4.kernels.indexer import op
     assert K.get_op("indexer_topk", "triton", torch.device(DEV)) is op.indexer_topk
+    calls = []
+    radix = topk.indexer_topk
+    monkeypatch.setattr(op.TK, "indexer_topk", lambda I, k: calls.append(I.shape) or radix(I, k))
     I = _rows("ties", 6, 45, 5)
-    assert torch.equal(op.indexer_topk(I, 7), naive.indexer_topk(I, 7))
-    assert torch.equal(torch.ops.dsv4.indexer_topk(I, 50), naive.indexer_topk(I, 50))
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    for n_max, want_calls in ((100, 0), (44, 2)):
+        monkeypatch.setattr(op, "SORT_MAX_N", n_max)
+        calls.clear()
+        assert torch.equal(op.indexer_topk(I, 7), naive.indexer_topk(I, 7))
+        assert torch.equal(torch.ops.dsv4.indexer_topk(I, 50), naive.indexer_topk(I, 50))
+        assert len(calls) == want_calls, n_max
     with FakeTensorMode() as mode:
         f = op.indexer_topk(mode.from_tensor(I), 7)
     assert f.shape == (6, 7) and f.dtype == torch.long

@@ -304,7 +304,9 @@ def listed_scores(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, idx: torc
 
 
 DENSE_DK = 1024                 # dkI by S-GEMM while N·nI <= DENSE_DK·k (its extra FLOPs beat the atomics)
-DENSE_DK_BYTES = 1 << 26        # at most 64 MiB of S at a time (sub-chunks of queries)
+DENSE_DK_BYTES = 1 << 29        # at most 512 MiB of S at a time (sub-chunks of queries). Was 64 MiB: at 64K tokens
+# (proxy: nI 16, N 16K entries, 512 KiB of S a query) that is 128 queries a launch, a grid of 128 programs on 132
+# SMs, 512 launches a layer: `_listed_bwd` 42 ms in 1,024 launches + 25 ms of dkI GEMMs in 1,024 (H200, 717ce5a)
 
 
 def listed_scores_bwd(dI: torch.Tensor, qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor,
