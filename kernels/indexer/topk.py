@@ -21,12 +21,14 @@ One program per row, the row read tile by tile (BLOCK entries) in every pass:
      finite, t = -inf and the other select passes are skipped.
   2. collect (1 pass, stops once the row's k picks are found): entries with key > t, then the first `need`
      entries with key == t in index order (running offsets from `tl.cumsum` per tile), written with their
-     scores to [rows, k] buffers: index order within each group, the key == t group last.
-  3. order (PyTorch, [rows, k] only): a stable descending sort of the k picked scores. Equal scores are in index
-     order in the buffer, so this is the stable sort's order of the full row; -inf picks -> -1.
+     order keys (int64) to [rows, k] buffers: index order within each group, the key == t group last.
+  3. order (PyTorch, [rows, k] only): a stable descending sort of the k picked KEYS. Equal keys are in index
+     order in the buffer, so this is the stable sort's order of the full row; -inf picks -> -1. Not a sort of
+     the scores: CUDA's float sort does not keep NaNs of either sign equal (H200, torch 2.11: -nan ranked below
+     +nan, which broke the index order of NaN picks), the integer keys hold the order the selection used.
 Bytes: (ceil(32 / BITS) + 1) reads of the row = 5 x 4N B at BITS = 8 (the collect pass stops once its k picks
-are found: a causal row's -inf tail is not read), plus 12k B of picks written: <= 2.7 GB of reads at
-[4096, 32768] fp32, from L2 in part (a program re-reads its 128 KB row pass after pass). The sort it replaces
+are found: a causal row's -inf tail is not read), plus 16k B of picks written (int64 index and key): <= 2.7 GB
+of reads at [4096, 32768] fp32, from L2 in part (a program re-reads its 128 KB row pass after pass). The sort it replaces
 (naive, a segmented radix sort of the full rows) reads and writes the fp32 keys and int64 indices in each of its
 4 passes, roughly 24N B a pass: ~13 GB at that shape. GPU speed is unmeasured here: `dsv4 bench kernels --only
 indexer` times both (`topk_rows`); the GPU configs (BLOCK, BITS, num_warps) are autotuned per N.
@@ -83,7 +85,7 @@ def _select_pass(X, N, prefix, need, HI: tl.constexpr, LO: tl.constexpr, BLOCK: 
 
 
 @triton.jit
-def _radix_topk(I, OUT_IDX, OUT_VAL, N, kk, si, so, BLOCK: tl.constexpr, BITS: tl.constexpr):
+def _radix_topk(I, OUT_IDX, OUT_KEY, N, kk, si, so, BLOCK: tl.constexpr, BITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     X = I + row * si
     lane = tl.arange(0, BLOCK)
@@ -111,7 +113,7 @@ def _radix_topk(I, OUT_IDX, OUT_VAL, N, kk, si, so, BLOCK: tl.constexpr, BITS: t
         pos = tl.where(gt, got_gt + c_gt - 1, n_gt + got_eq + c_eq - 1)
         keep = gt | (eq & (got_eq + c_eq <= need))
         tl.store(OUT_IDX + row * so + pos, offs.to(tl.int64), mask=keep)
-        tl.store(OUT_VAL + row * so + pos, x, mask=keep)
+        tl.store(OUT_KEY + row * so + pos, key.to(tl.int64), mask=keep)
         got_gt += tl.sum(gt.to(tl.int32), 0)
         got_eq += tl.sum(eq.to(tl.int32), 0)
         s += BLOCK
@@ -133,14 +135,14 @@ def radix_topk(I: torch.Tensor, k: int, cfg: dict | None = None) -> torch.Tensor
     idx = torch.empty(R, kk, dtype=torch.long, device=I.device)
     if R == 0 or kk == 0:
         return idx
-    val = torch.empty(R, kk, dtype=torch.float32, device=I.device)
+    key = torch.empty(R, kk, dtype=torch.int64, device=I.device)
     if cfg is None:
-        _radix_topk_tuned[(R,)](I, idx, val, N, kk, I.stride(0), kk)
+        _radix_topk_tuned[(R,)](I, idx, key, N, kk, I.stride(0), kk)
     else:
-        _radix_topk[(R,)](I, idx, val, N, kk, I.stride(0), kk, **cfg)
-    val, order = torch.sort(val, dim=-1, descending=True, stable=True)        # 3. [R, k]: the picks in order
+        _radix_topk[(R,)](I, idx, key, N, kk, I.stride(0), kk, **cfg)
+    key, order = torch.sort(key, dim=-1, descending=True, stable=True)        # 3. [R, k]: the picks in order
     idx = idx.gather(-1, order)
-    return idx.masked_fill_(torch.isneginf(val), -1)
+    return idx.masked_fill_(key == NINF_KEY.value, -1)
 
 
 def indexer_topk(I: torch.Tensor, k: int, chunk: int = 4096) -> torch.Tensor:
