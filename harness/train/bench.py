@@ -275,7 +275,14 @@ def parse_args(tokens: str, batch: int, impls: str, steps: int, warmup: int, com
     return toks, list(dict.fromkeys(names))
 
 
-def _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, profile, doc_min) -> dict:
+PROFILE_PENDING = "the profile step did not finish (the row was written before it; a time limit cut it)"
+
+
+def _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, profile, doc_min,
+         on_timed=None) -> dict:
+    """One measured row. With `profile`, `on_timed(row)` first gets the timed row (its profile marked pending), so
+    that a caller's time limit hitting the extra profiled step does not lose the timing (the 64K rows at 7298853
+    on the H200 were cut there twice)."""
     from dsv4.harness.train.flops import flops_per_token
     family, mode, packed = IMPLS[impl]
     S = T // batch
@@ -318,6 +325,8 @@ def _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, pr
         rec["compile_stats"] = {k: c1[k] - c0[k] for k in c0}
     if profile:
         from dsv4.harness.train.profile_step import profile_summary
+        if on_timed is not None:
+            on_timed(dict(rec, profile_missing=PROFILE_PENDING))
         rec["profile"] = profile_summary(step, device)
     del model, step, inputs
     return rec
@@ -372,8 +381,8 @@ def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: i
              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     new: list[dict] = []
 
-    def doc():
-        rows = merge_results(old, new)
+    def doc(pending=None):
+        rows = merge_results(old, new + ([pending] if pending else []))
         return {"bench": "train", "config": config, "backend": backend, "steps": steps, "warmup": warmup,
                 "recompute_from_tokens": recompute_from,
                 "compile": any(r["impl"] in ("ours_compile", "ours_cudagraph", "ours_packed_compile")
@@ -382,8 +391,12 @@ def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: i
 
     for impl in names:
         for T in toks:
+            def timed(rec):                # the timed row on disk before its profile step (`_row`)
+                if out:
+                    atomic_write_json(out, doc(dict(rec, **where)))
             try:
-                rec = _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, profile, doc_min)
+                rec = _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, profile, doc_min,
+                           on_timed=timed)
             except torch.OutOfMemoryError:
                 rec = {"impl": impl, "tokens": T, "batch": batch, "seq": T // batch, "error": "oom"}
             except Exception as e:  # noqa: BLE001 - a peer failing is a result, recorded with its reason

@@ -126,6 +126,27 @@ def test_incremental_write_keeps_finished_rows(tmp_path, monkeypatch):
     assert doc["bench"] == "train" and doc["provenance"]["git_sha"]
 
 
+def test_timed_row_is_written_before_its_profile_step(tmp_path, monkeypatch):
+    """--profile: the row's timing is on disk (profile marked missing) before the extra profiled step runs, so a
+    time limit that kills the process inside that step keeps the row; a finished profile replaces the mark."""
+    from dsv4.harness.train import profile_step
+    seen = []
+
+    def killed(step, device):
+        seen.append(json.loads((tmp_path / "b.json").read_text()))
+        raise KeyboardInterrupt                                 # the caller's timeout, inside the profile step
+    monkeypatch.setattr(profile_step, "profile_summary", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, ["ours"], [128], profile=True)
+    (r,) = json.loads((tmp_path / "b.json").read_text())["results"]
+    assert seen and r["profile_missing"] == bench.PROFILE_PENDING and "profile" not in r
+    assert r["tokens_per_s"] > 0 and r["git_sha"] and r["impl"] == "ours"
+    monkeypatch.undo()
+    (r,) = _run(tmp_path, ["ours"], [128], profile=True)["results"]
+    assert "profile_missing" not in r and r["profile"]["launches_per_step"] > 0
+    assert json.loads((tmp_path / "b.json").read_text())["results"] == [r]
+
+
 def test_append_merges_and_replaces_by_key(tmp_path, monkeypatch):
     out = tmp_path / "b.json"
     old = {"bench": "train", "config": "debug", "provenance": {"git_sha": "0" * 40},    # older format: no row sha
