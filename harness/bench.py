@@ -5,7 +5,9 @@ Per op (shapes = DSv4-Flash where the op has them; B = 1):
                window-only at the smallest S. TFLOP/s with cuDNN's convention over the keys each query
                really sees (fwd 2·H·ΣK_t·(c+c), bwd 2·H·ΣK_t·(3c+2c)); the nominal K=640 numbers too.
                Peer: dense causal `scaled_dot_product_attention` (flash/efficient/cuDNN backends, no math
-               fallback), same H and c, at the same S; the naive path at the smallest S only (O(S²) memory).
+               fallback), same H and c, at the same S; the naive path at the smallest S only (O(S²) memory);
+               at H = 64: FlashMLA's sparse prefill forward on the same inputs when `flash_mla` is importable
+               (harness/flashmla_peer.py; built by harness/device/flashmla_h200.sh), else the reason.
   indexer      nI=64, cI=128, ratio 4: scoring fwd/bwd TFLOP/s over causal (t, j) pairs; top-k k=512; and
                `topk_rows`: the radix-select top-k (kernels/indexer/topk.py) vs naive's sort on [4096, N] score
                chunks, N = 4K / 16K / 32K.
@@ -107,6 +109,39 @@ def _csa_idx(S, T, k, ratio, dev, gen):
     return idx
 
 
+def _flashmla_row(fn, why, q, kv, comp, idx, sink, window, ratio, c, nkeys, row, backend="triton") -> dict:
+    """FlashMLA's sparse prefill forward on this row's inputs (harness/flashmla_peer.py), in the same process:
+    its time, TFLOP/s over the same keys, our forward's speed relative to it, and its output vs ours (bf16: the
+    max abs difference next to the output's max abs)."""
+    import torch
+
+    from dsv4.harness import flashmla_peer
+    from dsv4.kernels.sparse_attn import sparse_attn
+    if fn is None:
+        return {"flashmla": {"skipped": why}}
+    try:
+        S, N = q.shape[0], 0 if comp is None else comp.shape[0]
+        ix = flashmla_peer.indices(S, window, ratio, idx, N, q.device)
+        kva = flashmla_peer.kv_all(kv.detach(), None if comp is None else comp.detach())
+        qd, sk = q.detach(), sink.detach().float()
+        meta = (torch.zeros(S, dtype=torch.long, device=q.device), torch.arange(S, device=q.device),
+                torch.zeros(N, dtype=torch.long, device=q.device), torch.arange(N, device=q.device))
+        f = lambda: fn(qd, kva, ix, c ** -0.5, c, sk)
+        fm_ms = _ms(f)
+        with torch.no_grad():
+            ours = sparse_attn(qd, kv.detach(), None if comp is None else comp.detach(), idx, sink.detach(), window,
+                               ratio, c ** -0.5, *meta, backend=backend).float()
+        theirs = f()[0].float()
+        out = {"flashmla_fwd_ms": fm_ms, "flashmla_fwd_tflops": 4.0 * q.shape[1] * c * nkeys / fm_ms * 1e-9,
+               "flashmla_index_slots": ix.shape[-1], "flashmla_max_abs_diff": (theirs - ours).abs().max().item(),
+               "out_max_abs": ours.abs().max().item()}
+        if "fwd_ms" in row:
+            out["ours_fwd_over_flashmla"] = fm_ms / row["fwd_ms"]               # < 1: ours slower
+        return out
+    except Exception as e:  # noqa: BLE001
+        return {"flashmla": _err(repr(e))}
+
+
 def _tuned_ms(kernel) -> dict:
     """The autotuner's median ms of every config it timed for its last tuned key (an in-process A/B of the
     configs, e.g. several queries a program against one): {config: ms}."""
@@ -126,6 +161,8 @@ def _bench_sparse_attn(seqs, dense_peer, log, heads=(64,)):
     from dsv4.kernels.sparse_attn import triton as tri
     H, c, window, dev = heads[0], 512, 128, "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
+    from dsv4.harness import flashmla_peer
+    fm_fn, fm_why = flashmla_peer.load()
     rows = []
     per_h = [("window", seqs[0])] + [(m, S) for S in seqs for m in ("csa", "hca")]
     cases = [(h, m, S) for h in heads for (m, S) in per_h]
@@ -168,6 +205,8 @@ def _bench_sparse_attn(seqs, dense_peer, log, heads=(64,)):
                            nominal_bwd_tflops=10.0 * H * c * 640 * S / bwd * 1e-9)
         except Exception as e:  # noqa: BLE001
             row["triton"] = _err(repr(e))
+        if H in (64, 128):                       # FlashMLA's sparse prefill: h_q 64 / 128 on SM90
+            row.update(_flashmla_row(fm_fn, fm_why, q1, kv1, comp1, idx1, sink, window, ratio, c, nkeys, row))
         if S == seqs[0] and H == heads[0]:
             try:
                 nf, nb = _fwd_bwd(lambda: sparse_attn(q1, kv1, comp1, idx1, sink, window, ratio, c ** -0.5, *meta), ins,

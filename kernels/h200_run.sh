@@ -9,6 +9,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/shim/dsv4
 cp harness/_root/__init__.py /tmp/shim/dsv4/__init__.py
 for d in model kernels harness slices; do ln -sfn "$PWD/$d" /tmp/shim/dsv4/$d; done
 export PYTHONPATH=/tmp/shim
+# FlashMLA as the sparse-attention peer when a build was carried in (.flashmla/flashmla_sm90.tgz from
+# harness/device/flashmla_h200.sh build): unpacked and put on the path; otherwise its rows say why not
+if [ -f .flashmla/flashmla_sm90.tgz ]; then bash harness/device/flashmla_h200.sh use >/dev/null && export PYTHONPATH=$PYTHONPATH:$PWD/.flashmla/pkg; fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
