@@ -55,6 +55,7 @@ def _provenance():
             "triton": triton.__version__, "cuda": torch.version.cuda,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu, --smoke)",
             "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": "dsv4 bench kernels " + " ".join(sys.argv[1:]),
             "timing": "triton.testing.do_bench median, L2 flushed (dense SDPA >= 32K: events, 1 warm-up + 2); "
                       "compressor / mHC also graph_*: CUDA-graph replay medians, L2 flushed (device time only)"}
 
@@ -109,8 +110,9 @@ def _csa_idx(S, T, k, ratio, dev, gen):
     return idx
 
 
-def _flashmla_row(fn, why, q, kv, comp, idx, sink, window, ratio, c, nkeys, row, backend="triton") -> dict:
-    """FlashMLA's sparse prefill forward on this row's inputs (harness/flashmla_peer.py), in the same process:
+def _flashmla_row(fn, why, q, kv, comp, idx, sink, window, ratio, c, nkeys, row, meta, backend="triton") -> dict:
+    """FlashMLA's sparse prefill forward on this row's inputs (harness/flashmla_peer.py; `meta` the row's one-document
+    metadata, which is what the mapping assumes), in the same process:
     its time, TFLOP/s over the same keys, our forward's speed relative to it, and its output vs ours (bf16: the
     max abs difference next to the output's max abs)."""
     import torch
@@ -124,8 +126,6 @@ def _flashmla_row(fn, why, q, kv, comp, idx, sink, window, ratio, c, nkeys, row,
         ix = flashmla_peer.indices(S, window, ratio, idx, N, q.device)
         kva = flashmla_peer.kv_all(kv.detach(), None if comp is None else comp.detach())
         qd, sk = q.detach(), sink.detach().float()
-        meta = (torch.zeros(S, dtype=torch.long, device=q.device), torch.arange(S, device=q.device),
-                torch.zeros(N, dtype=torch.long, device=q.device), torch.arange(N, device=q.device))
         f = lambda: fn(qd, kva, ix, c ** -0.5, c, sk)
         fm_ms = _ms(f)
         with torch.no_grad():
@@ -206,7 +206,7 @@ def _bench_sparse_attn(seqs, dense_peer, log, heads=(64,)):
         except Exception as e:  # noqa: BLE001
             row["triton"] = _err(repr(e))
         if H in (64, 128):                       # FlashMLA's sparse prefill: h_q 64 / 128 on SM90
-            row.update(_flashmla_row(fm_fn, fm_why, q1, kv1, comp1, idx1, sink, window, ratio, c, nkeys, row))
+            row.update(_flashmla_row(fm_fn, fm_why, q1, kv1, comp1, idx1, sink, window, ratio, c, nkeys, row, meta))
         if S == seqs[0] and H == heads[0]:
             try:
                 nf, nb = _fwd_bwd(lambda: sparse_attn(q1, kv1, comp1, idx1, sink, window, ratio, c ** -0.5, *meta), ins,

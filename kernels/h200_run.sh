@@ -5,9 +5,8 @@
 # (the device copy's .git need not be the commit sent: at 8361be7 it reported debb304).
 set -u
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/shim/dsv4
-cp harness/_root/__init__.py /tmp/shim/dsv4/__init__.py
-for d in model kernels harness slices; do ln -sfn "$PWD/$d" /tmp/shim/dsv4/$d; done
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+. harness/device/shim.sh && dsv4_shim /tmp/shim
 export PYTHONPATH=/tmp/shim
 # FlashMLA as the sparse-attention peer when a build was carried in (.flashmla/flashmla_sm90.tgz from
 # harness/device/flashmla_h200.sh build): unpacked and put on the path; otherwise its rows say why not

@@ -188,7 +188,8 @@ class Layout:
         """The documents of `cu_seqlens` (+ `cu_seqlens_padded`) in the B*S tokens of a [B, S] batch (a document
         must not cross a row when B > 1)."""
         B, S = shape
-        cu, cup, T = _host_offsets(cu_seqlens, B * S, cu_seqlens_padded)     # checks: one copy to the host
+        given = [torch.as_tensor(x) for x in (cu_seqlens, cu_seqlens_padded) if x is not None]
+        cu, cup, T = _host_offsets(given[0], B * S, given[1] if len(given) == 2 else None)   # one copy to the host
         if B > 1:                                                               # first / last token's row
             lens = cu[1:] - cu[:-1]
             real = lens > 0
@@ -196,8 +197,7 @@ class Layout:
                 raise LayoutError("cu_seqlens: a document crosses a row of the [B, S] batch")
         # seg / pos on the tokens' device: from the given offsets where they already live there (no copy),
         # else from a non-blocking copy of the checked host offsets
-        dev = torch.device(device) if device is not None else torch.as_tensor(cu_seqlens).device
-        given = [torch.as_tensor(x) for x in (cu_seqlens, cu_seqlens_padded) if x is not None]
+        dev = torch.device(device) if device is not None else given[0].device
         if all(x.device == dev for x in given):
             cu_d = given[0]
             cup_d = given[-1][:cu_d.numel()]                                    # (a trailing dummy entry dropped)

@@ -43,8 +43,7 @@ export PYTHONUNBUFFERED=1
 mkdir -p .dcache/triton .dcache/inductor
 export TRITON_CACHE_DIR=$PWD/.dcache/triton TORCHINDUCTOR_CACHE_DIR=$PWD/.dcache/inductor TRITON_CACHE_AUTOTUNING=1
 SHIM=$(mktemp -d /tmp/fshim.XXXXXX)
-mkdir -p "$SHIM/dsv4"; cp harness/_root/__init__.py "$SHIM/dsv4/__init__.py"
-for d in model kernels harness slices; do ln -sfn "$PWD/$d" "$SHIM/dsv4/$d"; done
+. harness/device/shim.sh && dsv4_shim "$SHIM"
 if [ "$WHATS" != more ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SHIM/site" .whl/*.whl || exit 3
 fi

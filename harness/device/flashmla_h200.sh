@@ -47,8 +47,7 @@ build)
   mkdir -p "$b/pkg" && cp -r "$b/flash_mla" "$b/pkg/"
   tar czf "$OUT/flashmla_sm90.tgz" -C "$b/pkg" flash_mla
   ls -la "$so" "$OUT/flashmla_sm90.tgz" | tee -a "$log"
-  shim=$(mktemp -d); mkdir -p "$shim/dsv4"; cp harness/_root/__init__.py "$shim/dsv4/__init__.py"   # dsv4.* = the checkout
-  for d in model kernels harness slices; do ln -sfn "$PWD/$d" "$shim/dsv4/$d"; done
+  shim=$(mktemp -d); . harness/device/shim.sh && dsv4_shim "$shim"                                  # dsv4.* = the checkout
   PYTHONPATH="$b/pkg:$shim${PYTHONPATH:+:$PYTHONPATH}" python3 - "$OUT/flashmla_smoke.json" <<'EOF' 2>&1 | tail -5 | tee -a "$log"
 import json, sys, torch
 from dsv4.harness import flashmla_peer as FM

@@ -13,8 +13,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 SHIM=$(mktemp -d)
-mkdir -p "$SHIM/dsv4"; cp harness/_root/__init__.py "$SHIM/dsv4/__init__.py"
-for d in model kernels harness slices; do ln -sfn "$PWD/$d" "$SHIM/dsv4/$d"; done
+. harness/device/shim.sh && dsv4_shim "$SHIM"
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 D="python3 -c 'from dsv4.harness.cli import main; main()'"
 run() { local name=$1 t=$2; shift 2; local s=$(date +%s); timeout "$t" bash -c "$*" > "$OUT/$name.out" 2> "$OUT/$name.log"; \

@@ -15,9 +15,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 ROOT=$PWD
 SHIM=$(mktemp -d)
-mkdir -p "$SHIM/dsv4"                    # the checkout is not pip-installed there: dsv4.* -> the folders
-cp harness/_root/__init__.py "$SHIM/dsv4/__init__.py"
-for d in model kernels harness slices; do ln -sfn "$ROOT/$d" "$SHIM/dsv4/$d"; done
+. harness/device/shim.sh && dsv4_shim "$SHIM"      # the checkout is not pip-installed there: dsv4.* -> the folders
 export PYTHONPATH=$SHIM
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$ROOT/build/triton_cache}   # build/ is git-ignored: kept between calls
 export DSV4_GIT_SHA=${DSV4_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}

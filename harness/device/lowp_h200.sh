@@ -17,8 +17,7 @@ OUT=${OUT:-/tmp/x1_lowp}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 SHIM=$(mktemp -d /tmp/x1shim.XXXXXX)         # the checkout as the `dsv4` package without installing it
-mkdir -p "$SHIM/dsv4"; cp harness/_root/__init__.py "$SHIM/dsv4/__init__.py"
-for d in model kernels harness slices; do ln -sfn "$PWD/$d" "$SHIM/dsv4/$d"; done
+. harness/device/shim.sh && dsv4_shim "$SHIM"
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 export DSV4_GIT_SHA=${DSV4_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 PY=${PYTHON:-python3}

@@ -154,7 +154,6 @@ def _pool_online(KV, GATE, APE, R0, HP, e, N, m, D, W, d0, OVERLAP: tl.constexpr
         hp = tl.load(HP + e, mask=emask, other=0) != 0
         nr = 2 * m
     else:
-        hp = ev
         nr = m
     mx = tl.full([BE, BD], float("-inf"), tl.float32)
     den = tl.zeros([BE, BD], tl.float32)

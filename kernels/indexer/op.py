@@ -122,13 +122,8 @@ def indexer_scores_listed(qI: Tensor, kI: Tensor, w: Tensor, idx: Tensor) -> Ten
 
 
 # ------------------------------------------------------------------ top-k (no autograd: indices)
-SORT_MAX_N = 4096   # rows of <= this many entries: naive's stable sort (H200 at a4eb668, [4096, N] fp32, k = 512:
-                    # N = 4K sort 0.57 ms vs radix 0.61; N = 16K 4.9 vs 1.9; 32K 9.7 vs 3.6; `dsv4 bench kernels
-                    # --only indexer`, topk_rows). Same result either way (test_topk.py: radix == naive bit for bit)
-
-
 def _indexer_topk(I: Tensor, k: int) -> Tensor:
-    return naive.indexer_topk(I, k) if I.shape[-1] <= SORT_MAX_N else TK.indexer_topk(I, k)
+    return TK.indexer_topk(I, k, sort_max_n=TK.SORT_MAX_N)
 
 
 indexer_topk_op = torch.library.custom_op("dsv4::indexer_topk", mutates_args=())(_indexer_topk)
@@ -141,7 +136,8 @@ def _(I, k):
 
 def indexer_topk(I: Tensor, k: int) -> Tensor:
     """I [..., N] -> idx [..., min(k, N)] long == `naive.indexer_topk`: by radix select (topk.py) for rows of more
-    than SORT_MAX_N entries, else naive's sort; the custom op while traced, the body directly in eager."""
+    than topk.SORT_MAX_N entries, else naive's sort, per chunk of rows; the custom op while traced, the body
+    directly in eager."""
     if k < 1:
         raise ValueError(f"indexer_topk: k must be >= 1, got {k}")
     return indexer_topk_op(I, int(k)) if traced((I,)) else _indexer_topk(I, int(k))

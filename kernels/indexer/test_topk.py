@@ -87,6 +87,7 @@ def test_dtypes_shapes_and_args():
     assert topk.indexer_topk(I[:0], 9).shape == (0, 9)
     assert torch.equal(topk.indexer_topk(I[:, ::2], 9), naive.indexer_topk(I[:, ::2], 9))     # strided rows
     assert torch.equal(topk.indexer_topk(I, 4, chunk=2), naive.indexer_topk(I, 4))            # 3 chunks
+    assert torch.equal(topk.indexer_topk(I, 4, chunk=2, sort_max_n=70), naive.indexer_topk(I, 4))  # sorted chunks
     with pytest.raises(ValueError, match="k must be >= 1"):
         topk.indexer_topk(I, 0)
 
@@ -101,11 +102,11 @@ def test_backend_op_is_the_radix_select_in_eager_and_compiled_code(monkeypatch):
     from dsv4.kernels.indexer import op
     assert K.get_op("indexer_topk", "triton", torch.device(DEV)) is op.indexer_topk
     calls = []
-    radix = topk.indexer_topk
-    monkeypatch.setattr(op.TK, "indexer_topk", lambda I, k: calls.append(I.shape) or radix(I, k))
+    radix = topk.radix_topk
+    monkeypatch.setattr(topk, "radix_topk", lambda I, k: calls.append(I.shape) or radix(I, k))
     I = _rows("ties", 6, 45, 5)
     for n_max, want_calls in ((100, 0), (44, 2)):
-        monkeypatch.setattr(op, "SORT_MAX_N", n_max)
+        monkeypatch.setattr(topk, "SORT_MAX_N", n_max)
         calls.clear()
         assert torch.equal(op.indexer_topk(I, 7), naive.indexer_topk(I, 7))
         assert torch.equal(torch.ops.dsv4.indexer_topk(I, 50), naive.indexer_topk(I, 50))

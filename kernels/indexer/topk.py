@@ -145,9 +145,16 @@ def radix_topk(I: torch.Tensor, k: int, cfg: dict | None = None) -> torch.Tensor
     return idx.masked_fill_(key == NINF_KEY.value, -1)
 
 
-def indexer_topk(I: torch.Tensor, k: int, chunk: int = 4096) -> torch.Tensor:
+# The Triton backend's choice (kernels/indexer/op.py, triton.indexer_select): rows of <= SORT_MAX_N entries take
+# naive's stable sort (H200 at a4eb668, [4096, N] fp32, k = 512: N = 4K sort 0.57 ms vs radix 0.61; N = 16K 4.9 vs
+# 1.9; 32K 9.7 vs 3.6; `dsv4 bench kernels --only indexer`, topk_rows). Same result either way (test_topk.py).
+SORT_MAX_N = 4096
+
+
+def indexer_topk(I: torch.Tensor, k: int, chunk: int = 4096, sort_max_n: int = 0) -> torch.Tensor:
     """I [..., N] -> idx [..., min(k, N)] long == `naive.indexer_topk` (ties lower index first, -1 = -inf pick,
-    NaN above +inf), by `radix_topk` per chunk of rows (its [chunk, k] buffers and sort). fp32 / bf16 / fp16
+    NaN above +inf), per chunk of rows (bounding the [chunk, k] buffers, or the sort's workspace): by
+    `radix_topk`, or by naive's sort when N <= `sort_max_n` (the backend passes SORT_MAX_N). fp32 / bf16 / fp16
     scores (the last two widened exactly in the kernel, no fp32 copy); fp64 rows take naive's sort (a cast to
     fp32 could merge distinct scores)."""
     from dsv4.kernels.indexer import naive
@@ -160,4 +167,5 @@ def indexer_topk(I: torch.Tensor, k: int, chunk: int = 4096) -> torch.Tensor:
     I = I.detach().reshape(-1, N)                                              # [rows, N]
     if kk == 0 or I.shape[0] == 0:
         return torch.empty(*lead, kk, dtype=torch.long, device=I.device)
-    return torch.cat([radix_topk(I[s:s + chunk], kk) for s in range(0, I.shape[0], chunk)], 0).view(*lead, kk)
+    top = naive.indexer_topk if N <= sort_max_n else radix_topk
+    return torch.cat([top(I[s:s + chunk], kk) for s in range(0, I.shape[0], chunk)], 0).view(*lead, kk)

@@ -57,9 +57,11 @@ def test_bench_row_times_and_compares_a_stand_in(monkeypatch):
     comp, sink = torch.randn(N, c, generator=g), torch.randn(H, generator=g)
     idx = torch.stack([torch.randperm(N, generator=g)[:k] for _ in range(S)])
     stand_in = lambda q, kv, ix, scale, dv, sink: (FM.gathered_attention(q, kv, ix, sink, scale), None, None)
-    r = bench._flashmla_row(stand_in, None, q, kv, comp, idx, sink, 6, 4, c, 1000, {"fwd_ms": 4.0},
+    meta = (torch.zeros(S, dtype=torch.long), torch.arange(S), torch.zeros(N, dtype=torch.long), torch.arange(N))
+    r = bench._flashmla_row(stand_in, None, q, kv, comp, idx, sink, 6, 4, c, 1000, {"fwd_ms": 4.0}, meta,
                             backend="naive")
     assert r["flashmla_fwd_ms"] == 2.0 and r["ours_fwd_over_flashmla"] == 0.5
     assert r["flashmla_fwd_tflops"] == pytest.approx(4.0 * H * c * 1000 / 2.0 * 1e-9)
     assert r["flashmla_index_slots"] == 6 + k and r["flashmla_max_abs_diff"] < 1e-5 < r["out_max_abs"]
-    assert bench._flashmla_row(None, "why", q, kv, comp, idx, sink, 6, 4, c, 1, {}) == {"flashmla": {"skipped": "why"}}
+    assert bench._flashmla_row(None, "why", q, kv, comp, idx, sink, 6, 4, c, 1, {}, meta) == \
+        {"flashmla": {"skipped": "why"}}
