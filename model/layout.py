@@ -186,7 +186,8 @@ class Layout:
     @classmethod
     def packed(cls, cu_seqlens, shape: tuple[int, int], cu_seqlens_padded=None, device=None) -> "Layout":
         """The documents of `cu_seqlens` (+ `cu_seqlens_padded`) in the B*S tokens of a [B, S] batch (a document
-        must not cross a row when B > 1)."""
+        must not cross a row when B > 1). Offsets given on the host (as the data loader yields them) cost no
+        host synchronisation; device offsets cost one (their copy to the host for the checks)."""
         B, S = shape
         given = [torch.as_tensor(x) for x in (cu_seqlens, cu_seqlens_padded) if x is not None]
         cu, cup, T = _host_offsets(given[0], B * S, given[1] if len(given) == 2 else None)   # one copy to the host

@@ -34,6 +34,9 @@ build)
   cp .flashmla/SOURCE.txt "$OUT/flashmla_SOURCE.txt" 2>/dev/null || true
   log="$OUT/flashmla_build.log"
   { nvcc --version || "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" --version; python3 -c "import torch; print(torch.__version__)"; } > "$log" 2>&1 || true
+  # CUDA 13 keeps libcu++ (cuda/std/...) under include/cccl: nvcc finds it, the g++ of api.cpp does not
+  cccl="${CUDA_HOME:-/usr/local/cuda}/include/cccl"
+  [ -d "$cccl" ] && export CPLUS_INCLUDE_PATH="$cccl${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}"
   s=$(date +%s)
   # SM90 only (FlashMLA's documented switch; its SM100 kernels compile to empty stubs); ptxas -v output is long:
   # the log keeps its last 4 MB

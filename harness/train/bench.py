@@ -15,8 +15,8 @@ Implementations (`--impls`, comma list):
   ours_packed          eager ours on packed THD rows: each of the `--batch` rows of S = tokens / batch slots
                        holds whole documents of mixed lengths (log-uniform in [--doc-min, S], seeded) placed by
                        the P7 scheduler (harness/train/packing.py: schedule over batch "ranks", step 0; longer
-                       documents are cut), fed as cu_seqlens / cu_seqlens_padded; tokens/s counts real tokens,
-                       MFU uses each document's own length
+                       documents are cut), fed as host cu_seqlens / cu_seqlens_padded (no per-step host sync);
+                       tokens/s counts real tokens, MFU uses each document's own length
   ours_packed_compile  ours_packed with compile_blocks()
   hf_eager, hf_compile Hugging Face DeepseekV4ForCausalLM, eager / torch.compile default mode
 `--compile` (kept from before) turns `ours` into `ours_compile` and `ours_packed` into `ours_packed_compile`.
@@ -136,8 +136,10 @@ def packed_inputs(B: int, S: int, V: int, device, seed: int = 0, doc_min: int = 
             raise RuntimeError(f"packed_inputs: row {r} has no documents or a dummy tail (internal error)")
         real += np.diff(m["cu_seqlens"]).tolist()
         padded += (cup[:-1] + r * S).tolist()
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(real)]), dtype=torch.int32, device=device)
-    cup = torch.tensor(padded + [B * S], dtype=torch.int32, device=device)
+    # the offsets stay on the host, as the data loader yields them: Layout.packed checks them there and sends a
+    # non-blocking copy to the tokens' device (device offsets would cost one host synchronisation per step)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(real)]), dtype=torch.int32)
+    cup = torch.tensor(padded + [B * S], dtype=torch.int32)
     ids = torch.from_numpy(np.stack([m["tokens"] for m in mats])).to(device)
     labels = torch.from_numpy(np.stack([m["labels"] for m in mats])).to(device)
     info = {"doc_lengths": [[s.length for s in mb.segments] for mb in rows],

@@ -490,8 +490,8 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
                 pb = packed_src.batch(step - 1)
                 x = torch.from_numpy(pb["tokens"])[None].to(device)               # [1, B*S]
                 y = torch.from_numpy(pb["labels"])[None].to(device)
-                cu = torch.from_numpy(pb["cu_seqlens"]).to(device)
-                cup = torch.from_numpy(pb["cu_seqlens_padded"]).to(device)
+                # host offsets: Layout.packed checks them there and copies them to the device without a sync
+                cu, cup = torch.from_numpy(pb["cu_seqlens"]), torch.from_numpy(pb["cu_seqlens_padded"])
                 lens = np.diff(pb["cu_seqlens"])
                 real_tokens = int(lens.sum())
                 # per document: Megatron's sum L_i^2
