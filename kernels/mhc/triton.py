@@ -419,6 +419,8 @@ _DX = configs(gpu=[dict(BD=64, BM=64, NSPLIT=8, num_warps=4, num_stages=3),
                    dict(BD=128, BM=32, NSPLIT=8, num_warps=4, num_stages=3),
                    dict(BD=128, BM=32, NSPLIT=8, num_warps=8, num_stages=3),
                    dict(BD=128, BM=32, NSPLIT=16, num_warps=8, num_stages=3),
+                   dict(BD=128, BM=32, NSPLIT=16, num_warps=4, num_stages=3),   # a807594's pick at twice the split
+                   dict(BD=128, BM=32, NSPLIT=8, num_warps=4, num_stages=4),
                    dict(BD=128, BM=64, NSPLIT=8, num_warps=8, num_stages=4),
                    dict(BD=256, BM=32, NSPLIT=8, num_warps=8, num_stages=3)],
               cpu=dict(BD=16, BM=16, NSPLIT=2), prune=_small(lambda a: a["K"]))
