@@ -277,7 +277,13 @@ def _bench_indexer(seqs, log):
             fwd, bwd = _fwd_bwd(lambda: indexer_scores(q, kk, w, ratio, *meta, backend="triton"), [q, kk, w])
             fl = 2.0 * nI * cI * pairs
             row.update(fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=fl / fwd * 1e-9, bwd_tflops_useful=2 * fl / bwd * 1e-9,
-                       bwd_tflops_executed=4 * fl / bwd * 1e-9, fwd_config=str(tri._scores_fwd.best_config))
+                       bwd_tflops_executed=4 * fl / bwd * 1e-9, fwd_config=str(tri._scores_fwd.best_config),
+                       # the dense scoring backward's two kernels (the dense warm-up's KL path): the tuner's pick
+                       # and its in-process timing of every config (ms, the A/B; from this S's tuning run unless
+                       # an earlier S had the same tuning key)
+                       bwd_dq_config=str(tri._scores_bwd_dq.best_config),
+                       bwd_dk_config=str(tri._scores_bwd_dk.best_config),
+                       bwd_dq_tuned_ms=_tuned_ms(tri._scores_bwd_dq), bwd_dk_tuned_ms=_tuned_ms(tri._scores_bwd_dk))
             with torch.no_grad():
                 I = indexer_scores(q, kk, w, ratio, *meta, backend="triton")
                 row["topk_ms"] = _ms(lambda: indexer_topk(I, k, backend="triton"))

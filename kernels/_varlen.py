@@ -45,3 +45,39 @@ def query_ranges(seg_q, pos_q, entry_seg, entry_j, ratio: int):
     hi = torch.searchsorted(qkey, (es + 1) * _BIG)
     hi = torch.where(entry_seg >= 0, hi, lo)
     return lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
+
+
+def _next_break(brk: torch.Tensor, end: int) -> torch.Tensor:
+    """[n] int64: for each i, the smallest index u >= i with brk[u] (end if none)."""
+    n = brk.shape[0]
+    idx = torch.where(brk, torch.arange(n, device=brk.device), torch.full_like(brk, end, dtype=torch.long))
+    return torch.flip(torch.cummin(torch.flip(idx, [0]), 0).values, [0])
+
+
+def _run_end(lo: torch.Tensor, hi: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
+    """min(hi, nxt[lo]) where lo < hi, else lo (int32): the end of the unbroken part of lo..hi-1."""
+    if nxt.numel() == 0:
+        return lo
+    at = nxt[lo.long().clamp(max=nxt.shape[0] - 1)]
+    return torch.where(lo < hi, torch.minimum(at, hi.long()), lo.long()).to(torch.int32).contiguous()
+
+
+def query_cores(seg_q, qlo, qhi):
+    """[N] int32 qrun: the queries qlo[n]..qrun[n]-1 ALL see entry n (`query_ranges`' qlo[n] is the first query that
+    sees it; the following ones do too up to the first padding token or other document, and qhi[n] bounds them).
+    The backward's dk kernel runs query tiles inside every entry's core without any visibility mask."""
+    S = seg_q.shape[0]
+    brk = torch.ones_like(seg_q, dtype=torch.bool)
+    if S > 1:
+        brk[1:] = seg_q[1:] != seg_q[:-1]
+    brk = brk | (seg_q < 0)
+    # nxt[t] = the first u > t that breaks t's run (a document change or padding): shift by one
+    nxt = torch.cat([_next_break(brk, S)[1:], brk.new_full((1,), S, dtype=torch.long)]) if S else brk.long()
+    return _run_end(qlo, qhi, nxt)
+
+
+def entry_cores(entry_seg, elo, ehi):
+    """[Tq] int32 erun: the entries elo[t]..erun[t]-1 are ALL visible to query t (`entry_ranges`' elo..ehi-1 holds
+    every visible entry and empty slots only; erun stops at the first empty slot). The dq kernel's unmasked tiles."""
+    N = entry_seg.shape[0]
+    return _run_end(elo, ehi, _next_break(entry_seg < 0, N))

@@ -53,6 +53,102 @@ def test_scores_match_naive(lens, pads, nI, cI, ratio):
             assert_rel(n, a, b, 2e-2)
 
 
+def _holes(meta, every_q=61, every_e=37):
+    """The metadata with padding tokens inside documents (every `every_q`-th token) and empty entry slots inside a
+    document's entries (every `every_e`-th valid slot): still a stream-ordered layout, so that the unmasked core
+    runs of the backward stop inside a document (the third tile loops of both kernels)."""
+    seg, pos, eseg, ej = (x.clone() for x in meta)
+    seg[every_q // 2::every_q] = -1
+    pos[seg < 0] = 0
+    valid = torch.nonzero(eseg >= 0).flatten()
+    gone = valid[every_e // 2::every_e]
+    eseg[gone], ej[gone] = -1, 0
+    return seg, pos, eseg, ej
+
+
+def _tile_kinds(lo, hi, core_hi, n_rows, BR, B):
+    """{"pre", "core", "post"}: which of the backward's three tile loops run for some program (a Python copy of
+    the kernels' bounds and triton._split over row blocks of BR rows, tiles of B columns; per row the visible
+    columns lo..hi-1 (live: lo < hi) and the unbroken core lo..core_hi-1)."""
+    kinds = set()
+    for b in range(-(-n_rows // BR)):
+        r = slice(b * BR, min(b * BR + BR, n_rows))
+        live = lo[r] < hi[r]
+        if not live.any():
+            continue
+        l, h = lo[r][live].min().item(), hi[r][live].max().item()
+        cl, ch = lo[r][live].max().item(), core_hi[r][live].min().item()
+        if b * BR + BR > n_rows:
+            ch = cl
+        c0 = l + -(-max(cl - l, 0) // B) * B
+        c1 = c0 + max(ch - c0, 0) // B * B
+        kinds |= {"pre"} if min(c0, h) > l else set()
+        kinds |= {"core"} if c1 > c0 else set()
+        kinds |= {"post"} if h > c1 else set()
+    return kinds
+
+
+@pytest.mark.parametrize("case", ["one_doc", "packed", "holes"])
+def test_dense_scores_bwd_core_and_boundary_tiles(case):
+    """The dense scoring backward (the dense warm-up's KL path) == naive autograd, fp32, at sizes where the
+    kernels' unmasked core tiles run next to masked boundary tiles before and after them (asserted from the
+    _varlen ranges with the CPU config's tiles): one odd-length document, a packed batch with padding, and the
+    same batch with padding tokens and empty slots inside documents. dI is random at every (t, n), the -inf
+    ones included: the backward must drop those. fp32 only: Triton 3.9's interpreter computes bf16 tl.dot
+    wrongly, so bf16 is judged on the GPU (test_dense_scores_bwd_every_config_bf16_on_gpu)."""
+    from dsv4.kernels._varlen import entry_cores, entry_ranges, query_cores, query_ranges
+    lens, pads, ratio = {"one_doc": ([150], None, 4), "packed": ([60, 5, 80, 23], [3, 0, 17, 2], 2),
+                         "holes": ([60, 5, 80, 23], [3, 0, 17, 2], 2)}[case]
+    q, k, w, meta = _inputs(lens, pads, 3, 20, ratio, torch.float32, seed=7)
+    if case == "holes":
+        meta = _holes(meta)
+    S, T = q.shape[0], k.shape[0]
+    if not CUDA:                                          # the CPU config's tiles reach every loop
+        dq_cfg, dk_cfg = (kern.configs[-1].kwargs for kern in (tri._scores_bwd_dq, tri._scores_bwd_dk))
+        elo, ehi = entry_ranges(*meta, ratio)
+        qlo, qhi = query_ranges(*meta, ratio)
+        ecore, qcore = entry_cores(meta[2], elo, ehi), query_cores(meta[0], qlo, qhi)
+        # a query block of one document sees entries from its start: no boundary tiles before its core
+        assert _tile_kinds(elo, ehi, ecore, S, dq_cfg["BT"], dq_cfg["BJ"]) == \
+            ({"core", "post"} if case == "one_doc" else {"pre", "core", "post"})
+        assert _tile_kinds(qlo, qhi, qcore, T, dk_cfg["BJ"], dk_cfg["BT"]) == {"pre", "core", "post"}
+        if case == "holes":                               # cores that a hole ends inside the visible range
+            assert ((ecore < ehi) & (elo < ehi)).any() and ((qcore < qhi) & (qlo < qhi)).any()
+    I = indexer_scores(q, k, w, ratio, *meta, backend="triton")
+    ref = indexer_scores(q, k, w, ratio, *meta, backend="naive")
+    assert torch.equal(torch.isfinite(ref), torch.isfinite(I))
+    dI = torch.randn_like(I)
+    got = torch.autograd.grad(I, (q, k, w), dI)
+    want = torch.autograd.grad(ref, (q, k, w), dI)
+    for n, a, b in zip(("dqI", "dkI", "dw"), got, want):
+        assert_close(f"{case} {n}", a, b, 1e-5, 1e-5)
+
+
+@pytest.mark.skipif(not CUDA, reason="bf16 tensor-core products: GPU only (the interpreter's bf16 dot is wrong)")
+def test_dense_scores_bwd_every_config_bf16_on_gpu():
+    """The dense scoring backward at DSv4's indexer dims (nI = 64, cI = 128, ratio 4), bf16, ~8K packed tokens
+    (three documents, padding), every dq and dk config of the tuners forced (dk at 4 heads a program, so that
+    every HH / HM combination is legal), then the tuned path: dqI, dkI, dw vs naive autograd in fp32 of the same
+    bf16 inputs; bounds as the bf16 cases above (2e-2 normwise: p and p·w rounded to bf16 for the second MMA)."""
+    q, k, w, meta = _inputs([5000, 2900, 291], [0, 5, 0], 64, 128, 4, torch.bfloat16, seed=4)
+    ins32 = [t.detach().float().requires_grad_() for t in (q, k, w)]
+    ref = indexer_scores(*ins32, 4, *meta, backend="naive")
+    dI = torch.randn_like(ref)                                  # nonzero at the -inf entries too: ignored
+    want = torch.autograd.grad(ref, ins32, dI)
+    del ref
+    torch.cuda.empty_cache()
+    each = lambda kern: [dict(**c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in kern.configs
+                         if c.kwargs["BT"] > 16]                # the GPU list (the last one is the CPU config)
+    dq_cfgs, dk_cfgs = each(tri._scores_bwd_dq), each(tri._scores_bwd_dk)
+    assert all(c["HH"] <= 4 * c["HM"] and 4 * c["HM"] % c["HH"] == 0 for c in dk_cfgs)
+    runs = [(dq_cfgs[i % len(dq_cfgs)], dk_cfgs[i]) for i in range(len(dk_cfgs))] + [(None, None)]
+    for dq_cfg, dk_cfg in runs:
+        got = tri.scores_bwd(dI, q.detach(), k.detach(), w.detach(), 4, meta, dq_config=dq_cfg, dk_config=dk_cfg,
+                             dk_hpp=None if dk_cfg is None else 4)
+        for n, a, b in zip(("dqI", "dkI", "dw"), got, want):
+            assert_rel(f"{n} dq {dq_cfg} dk {dk_cfg}", a.float(), b, 2e-2)
+
+
 def _topk_oracle(I: torch.Tensor, k: int) -> torch.Tensor:
     """Independent of torch.sort / topk: per row, k times pick the max of the remaining entries, scanning indices
     upwards and replacing only on a strictly larger score (so equal scores, -0.0 == +0.0 included, go to the lower

@@ -5,8 +5,10 @@
 Forward: one program per (block of BT queries, block of BJ entries); the kI tile stays in registers
 while the loop over the nI heads does [BT, cI]·[cI, BJ] tensor-core products with the ReLU-weighted head sum
 as the epilogue, so the [Tq, nI, N] per-head logits never exist; tiles outside every query's visible entry
-range (kernels/_varlen.py: other documents, not yet complete entries) are written as -inf without any product. Backward: two deterministic kernels that recompute the per-head logits
-(dq, dw per (query block, head group); partial dk per (entry block, head group), summed by PyTorch), no atomics.
+range (kernels/_varlen.py: other documents, not yet complete entries) are written as -inf without any product.
+Backward (`scores_bwd`): two deterministic kernels that recompute the per-head logits (dq, dw per (query block,
+head group); partial dk per (entry block, head group), summed by PyTorch), no atomics; unmasked core tiles and
+masked boundary tiles (the section's comment below).
 
 Top-k is topk.py (radix select; same contract as `naive.indexer_topk`). NOT a streaming top-k: it reads the
 dense score rows. `indexer_select` chains scores and top-k per chunk of query rows, so the full [S, B, T] score
@@ -18,14 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels._triton_util import configs, on_cpu, pow2
-from dsv4.kernels._varlen import entry_ranges, query_ranges
+from dsv4.kernels._triton_util import configs, on_cpu, pow2, tuned
+from dsv4.kernels._varlen import entry_cores, entry_ranges, query_cores, query_ranges
 
 from . import naive, topk
 
 _FWD_CONFIGS = configs(gpu=[dict(BT=64, BJ=64, num_warps=4, num_stages=3), dict(BT=128, BJ=64, num_warps=8, num_stages=3)],
                        cpu=dict(BT=16, BJ=16))
-_BWD_CONFIGS = configs(gpu=[dict(BT=64, BJ=64, num_warps=4, num_stages=2)], cpu=dict(BT=16, BJ=16))
 
 
 @triton.jit
@@ -69,66 +70,182 @@ def _scores_fwd(Q, K, Wt, I, SEGQ, POSQ, ESEG, EJ, ELO, EHI, S, T, NH, C, ratio,
         tl.store(I + out_off, acc, mask=omask)
 
 
-@triton.autotune(**_BWD_CONFIGS, key=["NH", "BC"])
+# ------------------------------------------------------------------ dense scores backward
+#   p[t,n] = dI[t,n] 1[d > 0] (visible (t, n) only),  d = qI[t,h] . kI[n],  c = (nI cI)^-1/2
+#   dqI[t,h] = c w[t,h] Σ_n p kI[n] = c w[t,h] u[t],  dw[t,h] = c Σ_n dI ReLU(d) = c qI[t,h] . u[t]
+#   dkI[n] = c Σ_h Σ_t p w[t,h] qI[t,h]
+# Two deterministic kernels (no atomics) that recompute d. Each program takes its visible range once (the
+# _varlen ranges of its rows) and splits the loop over the other side's tiles into boundary tiles (masked with
+# `_visible`, the forward's test) and CORE tiles, inside every row's unbroken visible run (_varlen.query_cores /
+# entry_cores: no padding, no other document, no empty slot), which load dI with no mask and compute no
+# visibility at all; rows that see nothing are zeroed at the store. Programs are numbered longest first (causal
+# triangle: dq's last query blocks, dk's first entry blocks) so the long ones do not start in the last wave.
+# dq: one program per (query block, head group), u [BT, cI] in registers per head (p·kI, no w in the loop; dw
+# from u at the end). dk: one program per (entry block, head group), dkIᵀ [cI, BJ] += qIᵀ·(p w) (both MMA
+# operands from shared memory, dI tiles in their stored orientation: 16-byte copies), HH heads a query tile
+# sharing its dI tile; head-group partials summed by PyTorch. The 6c6e72a kernels had no per-tile metadata but
+# masked every dI element with the causal test; the packed layout (29519d3) made that test `_visible` on every
+# tile (4 metadata loads, int64 compares): the dq / dk inner loops went from ~660 / ~760 to ~1070 / ~1120
+# instructions a warp and tile (offline compile, Triton 3.6) and dq's spilled in it: 2.5x slower on the H200
+# (PERF_NOTES, issue 14).
+_DQ_CONFIGS = configs(gpu=[dict(BT=64, BJ=64, num_warps=4, num_stages=3), dict(BT=64, BJ=64, num_warps=4, num_stages=2),
+                           dict(BT=128, BJ=64, num_warps=8, num_stages=3), dict(BT=128, BJ=64, num_warps=8, num_stages=2)],
+                      cpu=dict(BT=16, BJ=16))
+
+
+def _dk_prune(cfgs, args):
+    """HH heads a tile must divide the program's HPP·HM heads."""
+    return [c for c in cfgs if args["HPP"] * c.kwargs["HM"] % c.kwargs["HH"] == 0]
+
+
+# dk: HM x the launcher's heads per program (HPP: the fewest that fill the GPU; more heads, fewer programs),
+# HH of them per dI tile. Offline sm_90a compile (Triton 3.6, ptxas), warp instructions of the core loop per
+# 64 x 64 tile and head: ~1050 at HH 4 (BT 64, 4 warps), ~1440 at HH 2 (BT 128, 8 warps), ~2310 at HH 1, no
+# spills in it (6c6e72a: ~3030; dq's core loop ~960, 6c6e72a ~2650). At the SM's bf16 tensor rate the tile's
+# two 64x64x128 MMAs take 512 cycles = 2048 issue slots of its 4 schedulers: above that a loop is issue-bound.
+# Shared memory 104-192 KiB a program. Not yet timed on the GPU.
+_DK_CONFIGS = configs(gpu=[dict(BT=64, BJ=64, HH=1, HM=1, num_warps=4, num_stages=3),
+                           dict(BT=64, BJ=64, HH=2, HM=1, num_warps=4, num_stages=2),
+                           dict(BT=64, BJ=64, HH=2, HM=2, num_warps=4, num_stages=2),
+                           dict(BT=64, BJ=64, HH=4, HM=1, num_warps=4, num_stages=2),
+                           dict(BT=64, BJ=64, HH=4, HM=4, num_warps=4, num_stages=2),
+                           dict(BT=128, BJ=64, HH=2, HM=1, num_warps=8, num_stages=2),
+                           dict(BT=128, BJ=64, HH=2, HM=2, num_warps=8, num_stages=2)],
+                      cpu=dict(BT=16, BJ=16, HH=2, HM=1), prune=_dk_prune)
+
+
 @triton.jit
-def _scores_bwd_dq(Q, K, Wt, DI, DQ, DW, SEGQ, POSQ, ESEG, EJ, ELO, EHI, S, T, NH, C, ratio, coef, HPP,
+def _split(lo, hi, core_lo, core_hi, B: tl.constexpr):
+    """Tiles of B rows from lo to hi: (end of the boundary tiles before the core, core start, core end); the core
+    tiles lie inside core_lo..core_hi-1 (the rest: boundary tiles, core_end..hi)."""
+    c0 = lo + tl.cdiv(tl.maximum(core_lo - lo, 0), B) * B
+    c1 = c0 + tl.maximum(core_hi - c0, 0) // B * B
+    return tl.minimum(c0, hi), c0, c1
+
+
+@triton.jit
+def _dq_tile(u, q, K, DI_row, SEGQ, POSQ, ESEG, EJ, offs_t, tmask, offs_c, cmask, j0, T, ratio, sk_t,
+             PREC: tl.constexpr, BJ: tl.constexpr, CORE: tl.constexpr):
+    offs_j = j0 + tl.arange(0, BJ)
+    if CORE:                                    # every (t, j) of the tile visible or a row zeroed at the store
+        k = tl.load(K + offs_j[:, None] * sk_t + offs_c[None, :], mask=cmask[None, :], other=0.0)
+        g = tl.load(DI_row + offs_j[None, :])
+    else:
+        jmask = offs_j < T
+        k = tl.load(K + offs_j[:, None] * sk_t + offs_c[None, :], mask=jmask[:, None] & cmask[None, :], other=0.0)
+        g = tl.load(DI_row + offs_j[None, :], mask=_visible(SEGQ, POSQ, ESEG, EJ, offs_t, offs_j, tmask, jmask, ratio),
+                    other=0.0)
+    d = tl.dot(q, tl.trans(k), input_precision=PREC)                                   # [BT, BJ]
+    p = tl.where(d > 0, g, 0.0)
+    return u + tl.dot(p.to(k.dtype), k, input_precision=PREC)
+
+
+@triton.autotune(**_DQ_CONFIGS, key=["NH", "BC", "HPP"])
+@triton.jit
+def _scores_bwd_dq(Q, K, Wt, DI, DQ, DW, SEGQ, POSQ, ESEG, EJ, ELO, EHI, ERUN, S, T, NH, C, ratio, coef, HPP, NG,
                    sq_s, sq_h, sk_t, sw_s, si_s,
                    BC: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr):
-    # grid (query blocks, head groups of HPP heads): dq and dw of a head need no cross-program sum
-    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    # 1-D grid, head groups fastest: the last query block (the most entries) first
+    pid = tl.program_id(0)
+    qb = tl.cdiv(S, BT) - 1 - pid // NG
+    offs_t = qb * BT + tl.arange(0, BT)
     offs_c = tl.arange(0, BC)
     tmask, cmask = offs_t < S, offs_c < C
-    tc = tmask[:, None] & cmask[None, :]
-    lo = tl.min(tl.load(ELO + offs_t, mask=tmask, other=2147483647), 0)
-    hi = tl.max(tl.load(EHI + offs_t, mask=tmask, other=0), 0)
-    q_off = offs_t[:, None].to(tl.int64) * sq_s + offs_c[None, :]
-    w_off = offs_t.to(tl.int64) * sw_s
-    for h in range(tl.program_id(1) * HPP, tl.minimum(tl.program_id(1) * HPP + HPP, NH)):
-        q = tl.load(Q + q_off + h * sq_h, mask=tc, other=0.0)
-        wh = tl.load(Wt + w_off + h, mask=tmask, other=0.0).to(tl.float32)
-        dq = tl.zeros([BT, BC], tl.float32)
-        dw = tl.zeros([BT], tl.float32)
-        for j0 in range(lo, hi, BJ):
-            offs_j = j0 + tl.arange(0, BJ)
-            jmask = offs_j < T
-            k = tl.load(K + offs_j[:, None] * sk_t + offs_c[None, :], mask=jmask[:, None] & cmask[None, :], other=0.0)
-            vis = _visible(SEGQ, POSQ, ESEG, EJ, offs_t, offs_j, tmask, jmask, ratio)
-            g = tl.load(DI + offs_t[:, None].to(tl.int64) * si_s + offs_j[None, :], mask=vis, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC)
-            dw += tl.sum(g * tl.maximum(s, 0.0), 1)
-            ds = tl.where(s > 0, g * wh[:, None], 0.0)
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-        tl.store(DQ + q_off + h * sq_h, (dq * coef).to(DQ.dtype.element_ty), mask=tc)
-        tl.store(DW + w_off + h, (dw * coef).to(DW.dtype.element_ty), mask=tmask)
+    elo = tl.load(ELO + offs_t, mask=tmask, other=0)
+    ehi = tl.load(EHI + offs_t, mask=tmask, other=0)
+    live = elo < ehi                                          # the query sees some entry
+    lo = tl.min(tl.where(live, elo, T), 0) // BJ * BJ       # tiles on the BJ grid: aligned (vector) dI loads
+    hi = tl.max(tl.where(live, ehi, 0), 0)
+    core_lo = tl.max(tl.where(live, elo, 0), 0)
+    core_hi = tl.min(tl.where(live, tl.load(ERUN + offs_t, mask=tmask, other=0), T), 0)
+    # core tiles load whole dI rows: a full block only (and one with a live row)
+    core_hi = tl.where((qb * BT + BT <= S) & (hi > 0), core_hi, core_lo)
+    pre_end, c0, c1 = _split(lo, hi, core_lo, core_hi, BJ)
+    DI_row = DI + offs_t[:, None].to(tl.int64) * si_s
+    for h in range(pid % NG * HPP, tl.minimum(pid % NG * HPP + HPP, NH)):
+        q_off = offs_t[:, None].to(tl.int64) * sq_s + h * sq_h + offs_c[None, :]
+        q = tl.load(Q + q_off, mask=tmask[:, None] & cmask[None, :], other=0.0)
+        u = tl.zeros([BT, BC], tl.float32)
+        for j0 in range(lo, pre_end, BJ):
+            u = _dq_tile(u, q, K, DI_row, SEGQ, POSQ, ESEG, EJ, offs_t, tmask, offs_c, cmask, j0, T, ratio, sk_t,
+                         PREC, BJ, False)
+        for j0 in range(c0, c1, BJ):
+            u = _dq_tile(u, q, K, DI_row, SEGQ, POSQ, ESEG, EJ, offs_t, tmask, offs_c, cmask, j0, T, ratio, sk_t,
+                         PREC, BJ, True)
+        for j0 in range(c1, hi, BJ):
+            u = _dq_tile(u, q, K, DI_row, SEGQ, POSQ, ESEG, EJ, offs_t, tmask, offs_c, cmask, j0, T, ratio, sk_t,
+                         PREC, BJ, False)
+        u = tl.where(live[:, None], u * coef, 0.0)
+        w_off = offs_t.to(tl.int64) * sw_s + h
+        wh = tl.load(Wt + w_off, mask=tmask, other=0.0).to(tl.float32)
+        tl.store(DQ + q_off, (u * wh[:, None]).to(DQ.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
+        tl.store(DW + w_off, tl.sum(u * q.to(tl.float32), 1).to(DW.dtype.element_ty), mask=tmask)
 
 
-@triton.autotune(**_BWD_CONFIGS, key=["NH", "BC"])
 @triton.jit
-def _scores_bwd_dk(Q, K, Wt, DI, DK, SEGQ, POSQ, ESEG, EJ, QLO, QHI, S, T, NH, C, ratio, coef, HPP,
-                   sq_s, sq_h, sk_t, sw_s, si_s,
-                   BC: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr):
-    # grid (entry blocks, head groups): each head group writes its partial dk to DK[group] (summed after)
-    offs_j = tl.program_id(0) * BJ + tl.arange(0, BJ)
+def _dk_tile(acc, k, Q, Wt, DI, SEGQ, POSQ, ESEG, EJ, offs_j, jmask, offs_c, cmask, t0, h0, h_end, S, ratio,
+             sq_s, sq_h, sw_s, si_s, PREC: tl.constexpr, BT: tl.constexpr, HH: tl.constexpr, CORE: tl.constexpr):
+    offs_t = t0 + tl.arange(0, BT)
+    tmask = offs_t < S                          # (all true in a core tile)
+    g_ptr = DI + offs_t[:, None].to(tl.int64) * si_s + offs_j[None, :]
+    if CORE:
+        g = tl.load(g_ptr)
+    else:
+        g = tl.load(g_ptr, mask=_visible(SEGQ, POSQ, ESEG, EJ, offs_t, offs_j, tmask, jmask, ratio), other=0.0)
+    for i in tl.static_range(HH):               # HH heads share the dI tile
+        h = h0 + i
+        # a head past the group's last adds nothing (masks as tensors: the interpreter rejects a scalar & tensor)
+        hc = cmask & (offs_c * 0 + h < h_end)
+        q_ptr = Q + offs_t[:, None].to(tl.int64) * sq_s + h * sq_h + offs_c[None, :]
+        if CORE:
+            q = tl.load(q_ptr, mask=hc[None, :], other=0.0)
+        else:
+            q = tl.load(q_ptr, mask=tmask[:, None] & hc[None, :], other=0.0)
+        wh = tl.load(Wt + offs_t.to(tl.int64) * sw_s + h, mask=tmask & (offs_t * 0 + h < h_end), other=0.0)
+        d = tl.dot(q, tl.trans(k), input_precision=PREC)                                # [BT, BJ]
+        p = tl.where(d > 0, g * wh.to(tl.float32)[:, None], 0.0)
+        acc += tl.dot(tl.trans(q), p.to(q.dtype), input_precision=PREC)                 # dkᵀ [BC, BJ]
+    return acc
+
+
+@triton.autotune(**_DK_CONFIGS, key=["NH", "BC", "HPP"])
+@triton.jit
+def _scores_bwd_dk(Q, K, Wt, DI, DK, SEGQ, POSQ, ESEG, EJ, QLO, QHI, QRUN, S, T, NH, C, ratio, coef, HPP,
+                   sq_s, sq_h, sk_t, sw_s, si_s, BC: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr,
+                   BJ: tl.constexpr, HH: tl.constexpr, HM: tl.constexpr):
+    # 1-D grid, head groups (of HPP·HM heads) fastest: the first entry block (the most queries) first; each head
+    # group writes its partial dk to DK[group] (summed after)
+    NG = tl.cdiv(NH, HPP * HM)
+    pid = tl.program_id(0)
+    grp = pid % NG
+    offs_j = pid // NG * BJ + tl.arange(0, BJ)
     offs_c = tl.arange(0, BC)
     jmask, cmask = offs_j < T, offs_c < C
-    k_off = offs_j[:, None] * sk_t + offs_c[None, :]
-    k = tl.load(K + k_off, mask=jmask[:, None] & cmask[None, :], other=0.0)
-    dk = tl.zeros([BJ, BC], tl.float32)
-    t_lo = tl.min(tl.load(QLO + offs_j, mask=jmask, other=2147483647), 0)
-    t_hi = tl.max(tl.load(QHI + offs_j, mask=jmask, other=0), 0)
-    for h in range(tl.program_id(1) * HPP, tl.minimum(tl.program_id(1) * HPP + HPP, NH)):
-        for t0 in range(t_lo, t_hi, BT):
-            offs_t = t0 + tl.arange(0, BT)
-            tmask = offs_t < S
-            q = tl.load(Q + offs_t[:, None].to(tl.int64) * sq_s + h * sq_h + offs_c[None, :],
-                        mask=tmask[:, None] & cmask[None, :], other=0.0)
-            wh = tl.load(Wt + offs_t.to(tl.int64) * sw_s + h, mask=tmask, other=0.0).to(tl.float32)
-            vis = _visible(SEGQ, POSQ, ESEG, EJ, offs_t, offs_j, tmask, jmask, ratio)
-            g = tl.load(DI + offs_t[:, None].to(tl.int64) * si_s + offs_j[None, :], mask=vis, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC)                          # [BT, BJ]
-            ds = tl.where(s > 0, g * wh[:, None], 0.0)
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
-    tl.store(DK + tl.program_id(1).to(tl.int64) * (T * sk_t) + k_off, dk * coef, mask=jmask[:, None] & cmask[None, :])
+    k = tl.load(K + offs_j[:, None] * sk_t + offs_c[None, :], mask=jmask[:, None] & cmask[None, :], other=0.0)
+    qlo = tl.load(QLO + offs_j, mask=jmask, other=0)
+    qhi = tl.load(QHI + offs_j, mask=jmask, other=0)
+    live = qlo < qhi                                          # some query sees the entry
+    lo = tl.min(tl.where(live, qlo, S), 0)
+    hi = tl.max(tl.where(live, qhi, 0), 0)
+    core_lo = tl.max(tl.where(live, qlo, 0), 0)
+    core_hi = tl.min(tl.where(live, tl.load(QRUN + offs_j, mask=jmask, other=0), S), 0)
+    core_hi = tl.where(pid // NG * BJ + BJ <= T, core_hi, core_lo)   # core tiles load whole dI rows: a full block
+    pre_end, c0, c1 = _split(lo, hi, core_lo, core_hi, BT)
+    h_end = tl.minimum(grp * HPP * HM + HPP * HM, NH)
+    acc = tl.zeros([BC, BJ], tl.float32)
+    for h0 in range(grp * HPP * HM, h_end, HH):
+        for t0 in range(lo, pre_end, BT):
+            acc = _dk_tile(acc, k, Q, Wt, DI, SEGQ, POSQ, ESEG, EJ, offs_j, jmask, offs_c, cmask, t0, h0, h_end, S,
+                           ratio, sq_s, sq_h, sw_s, si_s, PREC, BT, HH, False)
+        for t0 in range(c0, c1, BT):
+            acc = _dk_tile(acc, k, Q, Wt, DI, SEGQ, POSQ, ESEG, EJ, offs_j, jmask, offs_c, cmask, t0, h0, h_end, S,
+                           ratio, sq_s, sq_h, sw_s, si_s, PREC, BT, HH, True)
+        for t0 in range(c1, hi, BT):
+            acc = _dk_tile(acc, k, Q, Wt, DI, SEGQ, POSQ, ESEG, EJ, offs_j, jmask, offs_c, cmask, t0, h0, h_end, S,
+                           ratio, sq_s, sq_h, sw_s, si_s, PREC, BT, HH, False)
+    acc = tl.where(live[None, :], acc * coef, 0.0)
+    tl.store(DK + grp.to(tl.int64) * (T * sk_t) + offs_j[None, :] * sk_t + offs_c[:, None], acc,
+             mask=jmask[None, :] & cmask[:, None])
 
 
 def _prec(x):
@@ -171,26 +288,62 @@ class _IndexerScores(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dI):
         qI, kI, w, *meta = ctx.saved_tensors
-        ratio, coef = ctx.cfg
-        dI = dI.contiguous()
-        S, nI, cI = qI.shape
-        T = kI.shape[0]
-        dq, dk, dw = torch.zeros_like(qI), torch.zeros_like(kI), torch.zeros_like(w)
-        if S and T:
-            st = _strides(qI, kI, w, dI)
-            hpp = 2 if on_cpu(qI) else 8                       # heads per program (CPU tests: exercise the split)
-            ng = triton.cdiv(nI, hpp)
-            elo, ehi = entry_ranges(*meta, ratio)
-            qlo, qhi = query_ranges(*meta, ratio)
-            _scores_bwd_dq[lambda m: (triton.cdiv(S, m["BT"]), ng)](
-                qI, kI, w, dI, dq, dw, *meta, elo, ehi, S, T, nI, cI, ratio, coef, hpp, *st,
-                BC=pow2(cI), PREC=_prec(qI))
-            dk_part = torch.empty(ng, T, cI, device=kI.device, dtype=torch.float32)   # kI is contiguous
-            _scores_bwd_dk[lambda m: (triton.cdiv(T, m["BJ"]), ng)](
-                qI, kI, w, dI, dk_part, *meta, qlo, qhi, S, T, nI, cI, ratio, coef, hpp, *st,
-                BC=pow2(cI), PREC=_prec(qI))
-            dk = dk_part.sum(0).to(kI.dtype)
-        return dq, dk, dw, None, None, None, None, None
+        return (*scores_bwd(dI, qI, kI, w, ctx.cfg[0], meta), None, None, None, None, None)
+
+
+def scores_bwd(dI, qI, kI, w, ratio, meta, dq_config=None, dk_config=None, dk_hpp=None):
+    """(dqI, dkI, dw) of `indexer_scores` for the upstream gradient dI [Tq, N]; meta = (seg_q, pos_q, entry_seg,
+    entry_j). dq_config / dk_config (launch kwargs incl. num_warps / num_stages) and dk_hpp force one config and
+    dk's heads per program instead of the tuner's choice (the GPU tests run every config)."""
+    qI, kI, w, dI = qI.contiguous(), kI.contiguous(), w.contiguous(), dI.contiguous()
+    meta = _meta(*meta)
+    S, nI, cI = qI.shape
+    T = kI.shape[0]
+    coef = nI ** -0.5 * cI ** -0.5
+    dq, dw = torch.zeros_like(qI), torch.zeros_like(w)
+    if not (S and T):
+        return dq, torch.zeros_like(kI), dw
+    BC, PREC = pow2(cI), _prec(qI)
+    elo, ehi = entry_ranges(*meta, ratio)
+    hq = _heads_per_program(qI, nI, triton.cdiv(S, 64), 8)
+    gq = triton.cdiv(nI, hq)
+    kern, kw = (_scores_bwd_dq, {}) if dq_config is None else (_scores_bwd_dq.fn, dq_config)
+    kern[lambda m: (triton.cdiv(S, m["BT"]) * gq,)](
+        qI, kI, w, dI, dq, dw, *meta, elo, ehi, entry_cores(meta[2], elo, ehi), S, T, nI, cI, ratio, coef, hq, gq,
+        *_strides(qI, kI, w, dI), BC=BC, PREC=PREC, **kw)
+    qlo, qhi = query_ranges(*meta, ratio)
+    hk = _heads_per_program(qI, nI, triton.cdiv(T, 64), 4) if dk_hpp is None else dk_hpp
+    gk = triton.cdiv(nI, hk)                                     # head groups at HM = 1 (the most)
+    dk_part = torch.empty(gk, T, cI, device=kI.device, dtype=torch.float32)        # kI is contiguous
+    kern, kw = (_scores_bwd_dk, {}) if dk_config is None else (_scores_bwd_dk.fn, dk_config)
+    kern[lambda m: (triton.cdiv(T, m["BJ"]) * triton.cdiv(nI, hk * m["HM"]),)](
+        qI, kI, w, dI, dk_part, *meta, qlo, qhi, query_cores(meta[0], qlo, qhi), S, T, nI, cI, ratio, coef, hk,
+        *_strides(qI, kI, w, dI), BC=BC, PREC=PREC, **kw)
+    dk_part = dk_part[:triton.cdiv(nI, hk * (kw["HM"] if kw else tuned(_scores_bwd_dk, "HM")))]
+    return dq, dk_part.sum(0).to(kI.dtype), dw
+
+
+def _heads_per_program(x, nI, blocks, per_sm):
+    """Heads a program of a backward grid of `blocks` row blocks x head groups: on the GPU the most (a power of
+    two) that still give >= per_sm programs per SM, so that the causal triangle's long programs (numbered first)
+    share the machine with many short ones (dk: a partial sum per group, ~T·cI·4 bytes each: ~1K programs' worth,
+    ~32 MiB at 64-entry blocks); on the CPU 2 (the tests exercise the split and a partial last group)."""
+    if on_cpu(x):
+        return 2
+    want = per_sm * _sm_count(x.device)
+    hpp = triton.next_power_of_2(nI)
+    while hpp > 1 and blocks * triton.cdiv(nI, hpp) < want:
+        hpp //= 2
+    return hpp
+
+
+_SMS: dict = {}
+
+
+def _sm_count(dev) -> int:
+    if dev not in _SMS:
+        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _SMS[dev]
 
 
 def indexer_scores(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: int, seg_q: torch.Tensor,
