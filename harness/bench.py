@@ -12,7 +12,10 @@ Per op (shapes = DSv4-Flash where the op has them; B = 1):
                `topk_rows`: the radix-select top-k (kernels/indexer/topk.py) vs naive's sort on [4096, N] score
                chunks, N = 4K / 16K / 32K.
   compressor   CSA D=512 (overlap) / indexer D=128 (overlap) / HCA D=512 (ratio 128) at T in --tokens, bf16,
-               packed API (slot metadata included): TB/s over `COMPRESSOR_BYTES`; the naive path as a peer.
+               packed API with the slot metadata precomputed (`compress_slots`, layout metadata like cu_seqlens:
+               the model computes it once per layout and ratio, Layout.compress_slots): fwd / bwd time the
+               pooling, TB/s over `COMPRESSOR_BYTES`; `slots_ms` the metadata alone, `fwd_total_ms` /
+               `fwd_total_tbps` the call computing it inside (the pre-memo forward); the naive path as a peer.
   mhc          N in --tokens x n=4 x d=4096 bf16: hc_pre / hc_post fwd and bwd, TB/s over `MHC_BYTES` (the
                minimal bytes); the naive path as a peer in every row; the autotuned configs recorded.
   swiglu       [65536, 2048] bf16: TB/s.
@@ -427,7 +430,7 @@ COMPRESSOR_BYTES = ("T tokens, W = coff*D channels, N = T/m entries, bf16: fwd 2
 def _bench_compressor(tokens, dev, log, smoke=False):
     import torch
 
-    from dsv4.kernels.compressor import compress_pool
+    from dsv4.kernels.compressor import compress_pool, compress_slots
     from dsv4.kernels.compressor import triton as tri
     gen = torch.Generator(device=dev).manual_seed(2)
     cases = [("csa_main", 512, 4, True), ("csa_indexer", 128, 4, True), ("hca_main", 512, 128, False)]
@@ -448,14 +451,26 @@ def _bench_compressor(tokens, dev, log, smoke=False):
             row["bytes_fwd"], row["bytes_bwd"] = by_f, by_b
             for backend in ("triton", "naive"):
                 try:
-                    f, b = _fwd_bwd_on(dev, lambda: compress_pool(kv, g, ape, m, ov, seg, pos, backend=backend)[0],
-                                       [kv, g, ape])
-                    row[backend] = {"fwd_ms": f, "bwd_ms": b, "fwd_tbps": by_f / f * 1e-9, "bwd_tbps": by_b / b * 1e-9}
+                    meta = lambda: compress_slots(seg, pos, m, ov, 0, backend=backend)      # noqa: E731
+                    slots = meta()                                  # layout metadata, precomputed once
+                    pool = lambda: compress_pool(kv, g, ape, m, ov, seg, pos, backend=backend,   # noqa: E731
+                                                 slots=slots)[0]
+                    total = lambda: compress_pool(kv, g, ape, m, ov, seg, pos, backend=backend)[0]   # noqa: E731
+                    f, b = _fwd_bwd_on(dev, pool, [kv, g, ape])
+                    sm, ft = _timer(dev)(meta, 60), _timer(dev)(total, 60)
+                    row[backend] = {"fwd_ms": f, "bwd_ms": b, "fwd_tbps": by_f / f * 1e-9, "bwd_tbps": by_b / b * 1e-9,
+                                    "slots_ms": sm, "fwd_total_ms": ft, "fwd_total_tbps": by_f / ft * 1e-9}
                     if backend == "triton":
                         row[backend].update(fwd_config=_best(tri._pool_fwd), bwd_config=_best(tri._pool_bwd))
-                        row[backend].update(_device_tbps(_device_rows(
-                            dev, lambda: compress_pool(kv, g, ape, m, ov, seg, pos, backend=backend)[0],
-                            [kv, g, ape]), by_f, by_b))
+                        dv = _device_tbps(_device_rows(dev, pool, [kv, g, ape]), by_f, by_b)
+                        if dev == "cuda" and "graph_fwd_ms" in dv:
+                            try:
+                                dv["graph_slots_ms"] = _graph_ms(meta)
+                                dv["graph_fwd_total_ms"] = _graph_ms(total)
+                                dv["graph_fwd_total_tbps"] = by_f / dv["graph_fwd_total_ms"] * 1e-9
+                            except Exception as e:  # noqa: BLE001
+                                dv["graph_slots_error"] = repr(e)[:300]
+                        row[backend].update(dv)
                 except Exception as e:  # noqa: BLE001
                     row[backend] = _err(repr(e))
             if "fwd_ms" in row["triton"] and "fwd_ms" in row["naive"]:

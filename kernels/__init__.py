@@ -24,6 +24,7 @@ OPS: dict[str, dict[str, str]] = {
     "sparse_attn": {"naive": "sparse_attn.naive:sparse_attn", "triton": "sparse_attn.op:sparse_attn"},
     "sparse_attn_entry_probs": {"naive": "sparse_attn.naive:entry_probs", "triton": "sparse_attn.op:entry_probs"},
     "compress_pool": {"naive": "compressor.naive:compress_pool", "triton": "compressor.op:compress_pool"},
+    "compress_slots": {"naive": "compressor.naive:compress_slots", "triton": "compressor.op:compress_slots"},
     "indexer_scores": {"naive": "indexer.naive:indexer_scores", "triton": "indexer.op:indexer_scores"},
     "indexer_scores_listed": {"naive": "indexer.naive:indexer_scores_listed", "triton": "indexer.op:indexer_scores_listed"},
     "indexer_topk": {"naive": "indexer.naive:indexer_topk", "triton": "indexer.op:indexer_topk"},

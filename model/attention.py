@@ -156,13 +156,13 @@ class DSv4Attention(nn.Module):
         kv = self.rope(self.kv_norm(self.wkv(x)), rope_pos)                     # [T', c] halo + local keys
 
         if B == 1:
-            o, sel, loss = self._mix(x, cq, q, kv, (seg, pos, rope_pos, q0), layout, backend)
+            o, sel, loss = self._mix(x, cq, q, kv, (seg, pos, rope_pos, q0), layout, backend, None)
         else:                                                                   # one stream per row (no halo)
             if q0:
                 raise ValueError("DSv4Attention: a layout with a halo (context parallel) must describe one row [1, C]")
             rows = [self._mix(x[r * S:(r + 1) * S], cq[r * S:(r + 1) * S], q[r * S:(r + 1) * S],
                               kv[r * S:(r + 1) * S], tuple(t[r * S:(r + 1) * S] for t in (seg, pos, rope_pos)) + (0,),
-                              layout, backend) for r in range(B)]
+                              layout, backend, r) for r in range(B)]
             o = torch.cat([r[0] for r in rows])
             sel = _cat_selections([r[1] for r in rows])
             loss = _combine_losses([r[2] for r in rows])
@@ -190,22 +190,44 @@ class DSv4Attention(nn.Module):
         out = self(hidden_states.transpose(0, 1), layout, aux, backend=backend)   # [b, s, d]
         return out.transpose(0, 1)                                              # [s, b, d]
 
-    def _mix(self, x, cq, q, kv, ctx, layout, backend):
+    def _compressors(self):
+        return [c for c in (self.compressor, self.indexer.compressor if self.indexer is not None else None)
+                if c is not None]
+
+    def _slots(self, layout: Layout, comp: Compressor, row: int | None, backend: str):
+        """The slot metadata of `comp` on the rows this layer sees (`layout.context(., self.halo)`, batch row
+        `row`; None: the whole stream), from the layout's memo: shared by every layer of the kind."""
+        return layout.compress_slots(comp.ratio, comp.overlap, self.halo, row, backend)
+
+    def prepare_layout(self, layout: Layout, backend: str | None = None) -> None:
+        """Compute this layer's compressor slot metadata on `layout` now (eagerly, before compiled blocks run;
+        a memo hit when an earlier layer of the kind did): `forward` then only reads it."""
+        B = layout.shape[0]
+        for comp in self._compressors():
+            for row in ([None] if B == 1 else range(B)):
+                self._slots(layout, comp, row, backend or self.backend)
+
+    def _mix(self, x, cq, q, kv, ctx, layout, backend, row=None):
         """Token mixing of one stream: x [T',d] / kv [T',c] (halo + local rows), cq [T,d_c] / q [T,H,c] (local),
-        ctx = (seg, pos, rope_pos [T'], q_offset) -> (o [T,H,c], selection (idx, entry_seg, entry_j) | None,
-        indexer loss (mean, query count) | None)."""
+        ctx = (seg, pos, rope_pos [T'], q_offset), the stream's batch row (None: the whole stream) -> (o [T,H,c],
+        selection (idx, entry_seg, entry_j) | None, indexer loss (mean, query count) | None)."""
         seg, pos, rope_pos, q0 = ctx
         cfg = self.cfg
         comp = eseg = ej = sel = None
         if self.compressor is not None:
-            comp, eseg, ej = layout.gather_entries(*self.compressor(x, seg, pos, rope_pos, q0, backend=backend))
+            slots = self._slots(layout, self.compressor, row, backend)
+            comp, eseg, ej = layout.gather_entries(*self.compressor(x, seg, pos, rope_pos, q0, backend=backend,
+                                                                    slots=slots))
         mode = cfg.indexer_loss_mode
         selection = None
         want_loss = self.indexer is not None and self.training and mode != "off" and cfg.indexer_loss_coeff != 0
         if self.indexer is not None:
+            ic = self.indexer.compressor
+            islots = slots if (ic.ratio, ic.overlap) == (self.compressor.ratio, self.compressor.overlap) else \
+                self._slots(layout, ic, row, backend)
             scores, sel, iseg, ij, feats = self.indexer(x.detach(), cq.detach(), ctx, layout, backend=backend,
                                                         dense_grad=want_loss and mode == "dense",
-                                                        return_feats=True)                       # [T, N]
+                                                        return_feats=True, slots=islots)         # [T, N]
             selection = (sel, iseg, ij)
         use_sel = sel if (self.indexer is not None and mode != "dense") else None   # dense: all entries
         listed = want_loss and use_sel is not None and cfg.indexer_teacher == "joint"   # teacher from the lse

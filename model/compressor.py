@@ -38,11 +38,13 @@ class Compressor(nn.Module):
         self.rope = rope     # shared table ("compress"); holds no parameters
 
     def forward(self, x: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor, rope_pos: torch.Tensor,
-                first: int = 0, backend: str = "naive"):
+                first: int = 0, backend: str = "naive", slots=None):
         """x [T,d] (THD), seg / pos / rope_pos [T] -> (entries [N,D], entry_seg [N], entry_j [N]) for the windows
-        closing at tokens >= `first`, in N = ceil((T - first) / m) static slots (empty: seg -1, value 0)."""
+        closing at tokens >= `first`, in N = ceil((T - first) / m) static slots (empty: seg -1, value 0).
+        `slots`: the stream's slot metadata for (ratio, overlap, first), precomputed once per layout
+        (`Layout.compress_slots`); None: computed here."""
         pooled, eseg, ej, ends = compress_pool(self.wkv(x), self.wgate(x), self.ape, self.ratio, self.overlap,
-                                               seg, pos, first, backend=backend)      # [N, D]
+                                               seg, pos, first, backend=backend, slots=slots)      # [N, D]
         comp = self.norm(pooled)
         if comp.shape[0] == 0:
             return comp, eseg, ej

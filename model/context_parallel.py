@@ -197,11 +197,14 @@ class CPLayout(Layout):
         return cls(cu, total, cup, group, device)
 
     def context(self, x, halo):
+        return (torch.cat([left_halo(x, halo, self.group), x], dim=0), *self.context_meta(halo))
+
+    def context_meta(self, halo):
         rows = torch.arange(self.start - halo, self.end, device=self._gseg.device)
         ok = rows >= 0
         seg = torch.where(ok, self._gseg[clamp_rows(rows)], torch.full_like(rows, -1))
         pos = torch.where(ok, self._gpos[clamp_rows(rows)], torch.zeros_like(rows))
-        return torch.cat([left_halo(x, halo, self.group), x], dim=0), seg, pos, pos, halo
+        return seg, pos, pos, halo
 
     def gather_entries(self, comp, entry_seg, entry_j):
         return gather_entries(comp, entry_seg, entry_j, self.group, static=True)
@@ -240,9 +243,15 @@ class _SimRankLayout(Layout):
         rc = clamp_rows(rows)
         xs = torch.where(ok[:, None], self._h[0, rc], torch.zeros((), dtype=x.dtype, device=x.device))
         xs = torch.cat([xs[:halo], x], dim=0)                                   # halo from the stream, then x
+        return (xs, *self.context_meta(halo))
+
+    def context_meta(self, halo):
+        rows = torch.arange(self.start - halo, self.end, device=self._gseg.device)
+        ok = rows >= 0
+        rc = clamp_rows(rows)
         seg = torch.where(ok, self._gseg[rc], torch.full_like(rows, -1))
         pos = torch.where(ok, self._gpos[rc], torch.zeros_like(rows))
-        return xs, seg, pos, pos, halo
+        return seg, pos, pos, halo
 
     def gather_entries(self, comp, entry_seg, entry_j):
         calls = self.store.setdefault("calls", {})

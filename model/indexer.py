@@ -43,16 +43,18 @@ class Indexer(nn.Module):
         self.qk_precision = "bf16"            # "bf16" | "fp8" | "fp4" (kernels/indexer/fp4.py QK_PRECISIONS)
 
     def forward(self, x: torch.Tensor, cq: torch.Tensor, ctx, layout, backend: str = "naive",
-                dense_grad: bool = True, return_feats: bool = False):
+                dense_grad: bool = True, return_feats: bool = False, slots=None):
         """x [T',d] the rows the layer sees (halo + local), cq [Tq,d_c] of the local queries (both already
         detached by the caller), ctx = (seg, pos, rope_pos, q_offset) of x's rows, layout (gathers the other
         ranks' entries) -> (scores I [Tq,N] fp32 (bf16 at qk_precision fp8 / fp4), selected idx [Tq,min(k,N)]
         long (-1 = none), entry_seg [N], entry_j [N]; with return_feats also the features of `listed_scores`).
         dense_grad=False: the [Tq,N] scores only pick the top-k (no graph through them); the sparse-mode loss
-        re-forms the k listed scores from the features (at fp8 / fp4 the rotated, fake-quantised ones)."""
+        re-forms the k listed scores from the features (at fp8 / fp4 the rotated, fake-quantised ones).
+        slots: the compressor's precomputed slot metadata of x's rows (`Layout.compress_slots`), or None."""
         seg, pos, rope_pos, q0 = ctx
         Tq = cq.shape[0]
-        kI, eseg, ej = layout.gather_entries(*self.compressor(x, seg, pos, rope_pos, q0, backend=backend))
+        kI, eseg, ej = layout.gather_entries(*self.compressor(x, seg, pos, rope_pos, q0, backend=backend,
+                                                              slots=slots))
         q = self.wq_b(cq).view(Tq, self.n_heads, self.head_dim)                      # [Tq, n_I, c_I]
         q = self.rope(q, rope_pos[q0:])
         w = self.weights_proj(x[q0:])                                               # [Tq, n_I]

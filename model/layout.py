@@ -17,6 +17,12 @@ Everything DSv4 does across tokens then restarts at document starts (spec §5.2,
 classic THD bugs of peers_matrix §3: window clamped to the stream start, stream-wide RoPE positions,
 compressor groups crossing documents, indexer scoring the whole stream).
 
+Derived metadata that every layer of a kind shares is computed once per layout: `compress_slots` (the compressor's
+entry slots of the rows a layer sees, per ratio / overlap / halo / batch row) is memoised on the layout, so a
+forward computes it once per layer kind, not once per layer and compressor. DSv4Model.forward fills the memo
+before the blocks run (eagerly, outside compiled blocks, `DSv4Attention.prepare_layout`). The memo assumes what
+the layout promises anyway: seg / pos are not modified in place after the layout is built.
+
 The layout is also the interface through which a parallel layout transforms the attention's view of the stream
 (model/context_parallel.py's `CPLayout`): `context` (the rows a layer sees: local tokens plus a left halo),
 `gather_entries` (the compressed entries of the other ranks), `roll_next` (the MTP input t+1 inside a
@@ -24,11 +30,12 @@ document) and `global_count` (loss denominators over ranks). This single-rank la
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from dsv4.kernels.compressor.naive import LayoutError
+from dsv4.kernels.compressor import compress_slots
+from dsv4.kernels.compressor.naive import LayoutError, Slots
 
 IGNORE = -100
 
@@ -162,6 +169,9 @@ class Layout:
     cu_seqlens: torch.Tensor | None = None
     cu_seqlens_padded: torch.Tensor | None = None
     rope_pos: torch.Tensor | None = None
+    # (ratio, overlap, halo, row) -> kernels.compressor Slots (`compress_slots`); filled in eager code only. An
+    # init field: a copy by dataclasses.replace (FSDP's input cast does one per wrapped module) carries the memo
+    _slots: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if self.rope_pos is None:
@@ -255,8 +265,38 @@ class Layout:
     # ---------------------------------------------------------------- what a parallel layout transforms
     def context(self, x: torch.Tensor, halo: int):
         """The rows an attention layer sees for local tokens x [T, d]: (rows [T', d], seg, pos, rope_pos [T'],
-        q_offset): rows q_offset.. are the local tokens, earlier rows left context. One rank: (x, ..., 0)."""
-        return x, self.seg, self.pos, self.rope_pos, 0
+        q_offset): rows q_offset.. are the local tokens, earlier rows left context. One rank: (x, ..., 0).
+        seg / pos / rope_pos / q_offset are `context_meta(halo)`'s (a parallel layout keeps them so)."""
+        return (x, *self.context_meta(halo))
+
+    def context_meta(self, halo: int):
+        """(seg, pos, rope_pos [T'], q_offset) of the rows `context(x, halo)` returns; needs no x."""
+        return self.seg, self.pos, self.rope_pos, 0
+
+    def compress_slots(self, ratio: int, overlap: bool, halo: int, row: int | None = None,
+                       backend: str = "naive") -> Slots:
+        """The compressor's slot metadata (kernels.compressor.compress_slots: entry ends / seg / j, window starts)
+        of the rows a layer with left context `halo` sees (`context_meta(halo)`; first = its q_offset), of batch
+        row `row` of a [B, S] layout (None: the whole stream), for windows of `ratio` tokens (overlap: CSA). It
+        depends on the documents only, not on the layer: computed on the first call (integer tensors, no
+        autograd graph) and kept on this layout for every later call with the same (ratio, overlap, halo, row) --
+        the other layers of the kind, the indexer's compressor. Under torch.compile a miss is computed and not
+        kept (no side effect in a graph; DSv4Model.forward fills the memo before its blocks run)."""
+        key = (int(ratio), bool(overlap), int(halo), None if row is None else int(row))
+        s = self._slots.get(key)
+        if s is not None:
+            return s
+        seg, pos, _, q0 = self.context_meta(halo)
+        if row is not None:
+            if q0:
+                raise LayoutError("compress_slots: a layout with a halo (context parallel) has one row")
+            S = self.shape[1]
+            seg, pos = seg[row * S:(row + 1) * S], pos[row * S:(row + 1) * S]
+        with torch.no_grad():
+            s = compress_slots(seg, pos, ratio, overlap, q0, backend=backend)
+        if not torch.compiler.is_compiling():
+            self._slots[key] = s
+        return s
 
     def gather_entries(self, comp: torch.Tensor, entry_seg: torch.Tensor, entry_j: torch.Tensor):
         """All compressed entries a local query may see, from this rank's (one rank: its own)."""

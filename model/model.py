@@ -95,6 +95,7 @@ class DSv4Model(nn.Module):
         e = self.embed(input_ids)                                               # [B, S, d]
         X = expand_streams(e, cfg.hc_mult)                                      # [B, S, n, d]
         ckpt = self.recompute and torch.is_grad_enabled()
+        prepare_layout(layout, list(self.layers) + list(self.mtp))
         for layer in self.layers:
             X = run_block(ckpt, layer, aux, X, input_ids, layout)
         y = self.norm(hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg, self.backend))
@@ -212,6 +213,14 @@ class DSv4Model(nn.Module):
 
     def float(self):
         return cast_model(self, torch.float32)
+
+
+def prepare_layout(layout: Layout, blocks) -> None:
+    """The layout's metadata that the blocks share (the compressors' slot metadata, `Layout.compress_slots`),
+    computed once, eagerly, before the blocks run: every layer of a kind reuses it, and compiled blocks
+    (compile_blocks, their CUDA graphs under reduce-overhead) only read it -- no memo is filled inside a graph."""
+    for b in blocks:
+        b.attn.prepare_layout(layout)
 
 
 def run_block(ckpt: bool, block, aux: AuxLosses, *args):

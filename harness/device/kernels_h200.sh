@@ -56,8 +56,11 @@ for r in ops.get("compressor", {}).get("rows", []):
     t, n = r.get("triton", {}), r.get("naive", {})
     print(f"compressor {r['case']:12s} S={r['S']:6d} triton fwd {t.get('fwd_tbps', float('nan')):.2f} TB/s "
           f"bwd {t.get('bwd_tbps', float('nan')):.2f} TB/s graph fwd {t.get('graph_fwd_tbps', float('nan')):.2f} "
-          f"bwd {t.get('graph_bwd_tbps', float('nan')):.2f} | naive fwd {n.get('fwd_ms', float('nan')):.3f} ms "
-          f"bwd {n.get('bwd_ms', float('nan')):.3f} ms {t.get('error', '')}{t.get('graph_error', '')}")
+          f"bwd {t.get('graph_bwd_tbps', float('nan')):.2f} | slots graph {t.get('graph_slots_ms', float('nan')):.4f} ms "
+          f"fwd+slots graph {t.get('graph_fwd_total_tbps', float('nan')):.2f} TB/s "
+          f"| naive fwd {n.get('fwd_ms', float('nan')):.3f} ms "
+          f"bwd {n.get('bwd_ms', float('nan')):.3f} ms {t.get('error', '')}{t.get('graph_error', '')}"
+          f"{t.get('graph_slots_error', '')}")
     for k in t.get("kernels_fwd_bwd", []):
         print(f"    {k['name'][:60]:60s} {k['ms']:.3f} ms x{k['count']}")
 for r in ops.get("mhc", {}).get("rows", []):

@@ -17,8 +17,14 @@ holding the entry that closes at a token index in [first + s m, first + (s+1) m)
 close at least m tokens apart), empty slots with seg -1 and value 0. Tokens before `first` are left context only
 (a context-parallel halo): they feed windows that close at or after `first` and produce no entry themselves.
 The softmax runs in fp32 (fp64 for fp64 inputs; ape is fp32); the pooled vector is returned in kv's dtype.
+
+The slot metadata (`Slots`: ends, entry seg / j, window start r0, has-previous hp) depends only on seg / pos,
+ratio, overlap and `first`, not on the layer: `compress_slots` computes it, `compress_pool(..., slots=)` takes it
+precomputed (model/layout.Layout.compress_slots computes it once per layout and key for every layer).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -49,6 +55,44 @@ def entry_slots(seg: torch.Tensor, pos: torch.Tensor, ratio: int, first: int = 0
                        torch.full_like(off, T - 1))
     j = torch.where(valid, (pos[ends] + 1) // m - 1, torch.zeros_like(ends))
     return ends, valid, j
+
+
+class Slots(NamedTuple):
+    """The slot metadata of a stream for one (ratio, overlap, first): ends / entry_seg / j [N] (`entry_slots`;
+    entry_seg -1 in an empty slot), r0 [N] int32 (first row of the entry's window, -1 when empty) and hp [N] int32
+    (1: the entry has a previous window, CSA j > 0), all integer tensors without autograd; ratio / overlap / first
+    name what it was computed for (checked by `compress_pool`)."""
+    ends: torch.Tensor
+    entry_seg: torch.Tensor
+    j: torch.Tensor
+    r0: torch.Tensor
+    hp: torch.Tensor
+    ratio: int
+    overlap: bool
+    first: int
+
+
+def compress_slots(seg: torch.Tensor, pos: torch.Tensor, ratio: int, overlap: bool, first: int = 0) -> Slots:
+    """The `Slots` of the stream seg / pos [T] (the reference of the Triton `_slot_meta` kernel)."""
+    if ratio <= 0:
+        raise LayoutError(f"compress_slots: ratio must be positive, got {ratio}")
+    ends, valid, j = entry_slots(seg, pos, ratio, first)
+    eseg = torch.where(valid, seg[ends], torch.full_like(ends, -1))
+    r0 = torch.where(valid, ends - (ratio - 1), torch.full_like(ends, -1)).to(torch.int32)
+    hp = (valid & (j > 0)) if overlap else torch.zeros_like(valid)
+    return Slots(ends, eseg, j, r0, hp.to(torch.int32), int(ratio), bool(overlap), int(first))
+
+
+def check_slots(slots: Slots, T: int, ratio: int, overlap: bool, first: int) -> None:
+    """Precomputed slots must be those of this call's (ratio, overlap, first) and stream length (one line)."""
+    got = (slots.ratio, slots.overlap, slots.first)
+    if got != (ratio, bool(overlap), first):
+        raise LayoutError(f"compress_pool: slots were computed for (ratio, overlap, first) = {got}, the call has "
+                          f"{(ratio, bool(overlap), first)}")
+    N = num_slots(T, ratio, first)
+    if slots.ends.shape != (N,):
+        raise LayoutError(f"compress_pool: slots hold {tuple(slots.ends.shape)} entries, a stream of {T} tokens "
+                          f"(first {first}) has [{N}]")
 
 
 def check_args(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool,
@@ -87,14 +131,20 @@ def pool_rows(seg, pos, ends, valid, j, ratio: int, overlap: bool):
 
 
 def compress_pool(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool,
-                  seg: torch.Tensor, pos: torch.Tensor, first: int = 0):
+                  seg: torch.Tensor, pos: torch.Tensor, first: int = 0, slots: Slots | None = None):
     """kv, gate [T, coff*D]; ape [m, coff*D]; seg / pos [T] -> (pooled [N, D], entry_seg [N], entry_j [N],
-    ends [N]) in N = ceil((T - first) / m) static slots (coff = 2 if overlap else 1; empty slots: seg -1, 0)."""
+    ends [N]) in N = ceil((T - first) / m) static slots (coff = 2 if overlap else 1; empty slots: seg -1, 0).
+    `slots`: the stream's `compress_slots(seg, pos, ratio, overlap, first)`, precomputed (else computed here)."""
     check_args(kv, gate, ape, ratio, overlap, seg, pos)
     m = ratio
     W = kv.shape[1]
     D = W // 2 if overlap else W
-    ends, valid, j = entry_slots(seg, pos, m, first)
+    if slots is None:
+        slots = compress_slots(seg, pos, m, overlap, first)
+    else:
+        check_slots(slots, kv.shape[0], m, overlap, first)
+    ends, j = slots.ends, slots.j
+    valid = slots.entry_seg >= 0
     cur, prev, has_prev = pool_rows(seg, pos, ends, valid, j, m, overlap)
     dt = torch.promote_types(kv.dtype, torch.float32)                            # fp32 (fp64 stays fp64)
     zc = gate[cur].to(dt) + ape.to(dt)[None]                                     # [N, m, coff*D]
@@ -111,4 +161,4 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio
     alpha = torch.softmax(logits, dim=1)                                         # per channel over slots
     comp = (alpha * vals.to(dt)).sum(1)                                          # [N, D]
     comp = torch.where(valid[:, None], comp, torch.zeros((), dtype=dt, device=kv.device)).to(kv.dtype)
-    return comp, torch.where(valid, seg[ends], torch.full_like(ends, -1)), j, ends
+    return comp, slots.entry_seg, j, ends

@@ -76,7 +76,13 @@ def _pool(kv, gate, ape, r0, hp, pos, ratio, overlap, first):
     return _compress_pool(kv, gate, ape, r0, hp, pos, int(ratio), bool(overlap), int(first))
 
 
+def compress_slots(seg: Tensor, pos: Tensor, ratio: int, overlap: bool, first: int = 0):
+    """`naive.Slots` of the stream on the custom op dsv4::compress_slots_fwd."""
+    return T.compress_slots(seg, pos, ratio, overlap, first, meta=_meta)
+
+
 def compress_pool(kv: Tensor, gate: Tensor, ape: Tensor, ratio: int, overlap: bool, seg: Tensor, pos: Tensor,
-                  first: int = 0):
-    """Packed-stream pooling (the contract of `naive.compress_pool`) on the custom ops."""
-    return T.compress_pool(kv, gate, ape, ratio, overlap, seg, pos, first, meta=_meta, pool=_pool)
+                  first: int = 0, slots=None):
+    """Packed-stream pooling (the contract of `naive.compress_pool`) on the custom ops; `slots` precomputed
+    (`compress_slots`) or None."""
+    return T.compress_pool(kv, gate, ape, ratio, overlap, seg, pos, first, meta=_meta, pool=_pool, slots=slots)

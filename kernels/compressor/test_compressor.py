@@ -108,3 +108,34 @@ def test_both_forward_forms_match_naive(lens, pads, first, D, m, overlap, loop):
         BE=BE, BD=BD, NIT=NIT, LOOP=loop)
     ref, *_ = naive.compress_pool(kv, gate, ape, m, overlap, seg, pos, first)
     assert_close("out", out, ref, 1e-5, 1e-5)       # fp32: the tests above' bound (measured 2.4e-7)
+
+
+@pytest.mark.parametrize("case", [CASES[4], CASES[5], CASES[9]])
+def test_precomputed_slots_equal_and_give_the_same_pool(case):
+    """compress_slots: the Triton `_slot_meta` == the naive reference on every field (odd packed documents,
+    padding, a halo); compress_pool with the slots precomputed (by either backend) == computing them inside, bit
+    for bit, forward and gradients; slots of another (ratio, overlap, first) are refused (one line)."""
+    from dsv4.kernels.compressor import compress_slots, naive
+    lens, pads, first, D, m, overlap = case
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    seg, pos = packed_meta(lens, pads, DEV)
+    if first:
+        pos = torch.where(seg == 0, pos + 2 * m, pos)
+    T, W = seg.numel(), (2 * D if overlap else D)
+    sl = {be: compress_slots(seg, pos, m, overlap, first, backend=be) for be in ("naive", "triton")}
+    for a, b in zip(sl["naive"], sl["triton"]):
+        assert (torch.equal(a, b) and a.dtype == b.dtype) if isinstance(a, torch.Tensor) else a == b
+    kv = torch.randn(T, W, generator=gen, device=DEV).requires_grad_()
+    gate = torch.randn(T, W, generator=gen, device=DEV).requires_grad_()
+    ape = torch.randn(m, W, generator=gen, device=DEV).requires_grad_()
+    for be in ("naive", "triton"):
+        ref = compress_pool(kv, gate, ape, m, overlap, seg, pos, first, backend=be)
+        dy = torch.randn(ref[0].shape, generator=gen, device=DEV)
+        gref = torch.autograd.grad(ref[0], (kv, gate, ape), dy)
+        for src in ("naive", "triton"):
+            got = compress_pool(kv, gate, ape, m, overlap, seg, pos, first, backend=be, slots=sl[src])
+            assert all(torch.equal(a, b) for a, b in zip(got, ref)), (be, src)
+            assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(got[0], (kv, gate, ape), dy), gref))
+        other = compress_slots(seg, pos, m, not overlap, first)
+        with pytest.raises(naive.LayoutError, match="slots were computed for"):
+            compress_pool(kv, gate, ape, m, overlap, seg, pos, first, backend=be, slots=other)

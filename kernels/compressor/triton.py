@@ -4,7 +4,8 @@ Same contract as `naive.compress_pool` (kv, gate [T, coff*D], ape [m, coff*D], s
 Three kernels, no PyTorch gather of rows:
   `_slot_meta`  per slot s: the token that closes its entry (at most one in first + s m .. first + (s+1) m - 1),
                 entry seg / j / end (the naive `entry_slots`), the first row r0 of its current window (-1: empty)
-                and hp = "has a previous window" (CSA j > 0).
+                and hp = "has a previous window" (CSA j > 0). Layer-independent: `compress_slots`, computed once
+                per layout and key by the model (model/layout.Layout.compress_slots), passed in as `slots`.
   `_pool_fwd`   one program = NIT x BE consecutive slots x BD channels. Per slot the rows are read in place:
                 HCA slots r = rows r0 .. r0+m-1; CSA slots r < m = rows r0-m+r, FIRST channel half (the previous
                 window), r >= m = rows r0+r-m, SECOND half. Consecutive slots of a document cover consecutive
@@ -338,12 +339,26 @@ class _CompressPool(torch.autograd.Function):
         return dkv, dgate, dape, None, None, None, None, None, None
 
 
+def compress_slots(seg: torch.Tensor, pos: torch.Tensor, ratio: int, overlap: bool, first: int = 0,
+                   meta=None) -> naive.Slots:
+    """`naive.Slots` from the `_slot_meta` kernel (op.py passes `meta`: dsv4::compress_slots_fwd)."""
+    if ratio <= 0:
+        raise naive.LayoutError(f"compress_slots: ratio must be positive, got {ratio}")
+    return naive.Slots(*(meta or slot_meta)(seg, pos, ratio, overlap, first), int(ratio), bool(overlap), int(first))
+
+
 def compress_pool(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool,
-                  seg: torch.Tensor, pos: torch.Tensor, first: int = 0, meta=None, pool=None):
-    """Packed-stream pooling (same contract as `naive.compress_pool`): `_slot_meta` then the in-place window
-    kernel. op.py passes the custom ops (`meta`: dsv4::compress_slots_fwd, `pool`: dsv4::compress_pool_fwd)."""
+                  seg: torch.Tensor, pos: torch.Tensor, first: int = 0, meta=None, pool=None,
+                  slots: naive.Slots | None = None):
+    """Packed-stream pooling (same contract as `naive.compress_pool`): `_slot_meta` (unless `slots` are given,
+    precomputed) then the in-place window kernel. op.py passes the custom ops (`meta`: dsv4::compress_slots_fwd,
+    `pool`: dsv4::compress_pool_fwd)."""
     naive.check_args(kv, gate, ape, ratio, overlap, seg, pos)
-    ends, eseg, j, r0, hp = (meta or slot_meta)(seg, pos, ratio, overlap, first)
+    if slots is None:
+        slots = compress_slots(seg, pos, ratio, overlap, first, meta)
+    else:
+        naive.check_slots(slots, kv.shape[0], ratio, overlap, first)
+    ends, eseg, j, r0, hp = slots[:5]
     if seg.device.type == "cpu":                 # the halo check (a host sync: CPU tensors only, as in naive)
         naive.pool_rows(seg, pos, ends, eseg >= 0, j, ratio, overlap)
     out = (pool or _CompressPool.apply)(kv, gate, ape, r0, hp, pos, ratio, overlap, first)

@@ -34,7 +34,7 @@ from dsv4.model.config import ConfigError
 from dsv4.model.layout import Layout
 from dsv4.model.losses import AuxLosses, assemble_losses
 from dsv4.model.mhc import expand_streams, hc_head
-from dsv4.model.model import IGNORE, DSv4Model, run_block
+from dsv4.model.model import IGNORE, DSv4Model, prepare_layout, run_block
 
 METRICS = ("lm loss", "mtp_1 loss", "indexer loss", "moe aux loss")
 
@@ -92,6 +92,8 @@ class PipelineChunk(nn.Module):
         aux = AuxLosses()
         X = expand_streams(self.embed(input_ids), cfg.hc_mult) if self.is_first else x   # [b, S, n, d]
         ckpt = self.recompute and torch.is_grad_enabled()
+        prepare_layout(layout, [self.layers[str(i)] for i in self.layer_ids] +
+                       (list(self.mtp) if self.is_last else []))
         for i in self.layer_ids:
             layer = self.layers[str(i)]
             X = run_block(ckpt, layer, aux, X, input_ids, layout)
