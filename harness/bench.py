@@ -7,7 +7,9 @@ Per op (shapes = DSv4-Flash where the op has them; B = 1):
                Peer: dense causal `scaled_dot_product_attention` (flash/efficient/cuDNN backends, no math
                fallback), same H and c, at the same S; the naive path at the smallest S only (O(S²) memory);
                at H = 64: FlashMLA's sparse prefill forward on the same inputs when `flash_mla` is importable
-               (harness/flashmla_peer.py; built by harness/device/flashmla_h200.sh), else the reason.
+               (harness/flashmla_peer.py; built by harness/device/flashmla_h200.sh), else the reason; and the
+               `triton_flashmla_*` columns: backend "triton+flashmla" (FlashMLA's forward + our Triton backward,
+               kernels/sparse_attn/flashmla.py) fwd / bwd / fwd+bwd on the same inputs, else why it falls back.
   indexer      nI=64, cI=128, ratio 4: scoring fwd/bwd TFLOP/s over causal (t, j) pairs; top-k k=512; and
                `topk_rows`: the radix-select top-k (kernels/indexer/topk.py) vs naive's sort on [4096, N] score
                chunks, N = 4K / 16K / 32K.
@@ -145,6 +147,35 @@ def _flashmla_row(fn, why, q, kv, comp, idx, sink, window, ratio, c, nkeys, row,
         return {"flashmla": _err(repr(e))}
 
 
+def _flashmla_backend_row(fn, q, kv, comp, idx, sink, window, ratio, c, nkeys, row, meta, ins, capability=None) -> dict:
+    """Backend "triton+flashmla" (kernels/sparse_attn/flashmla.py: FlashMLA's forward + our Triton backward) on this
+    row's inputs: its fwd / bwd / fwd+bwd ms, TFLOP/s over the same keys, fwd+bwd relative to the pure Triton path
+    (> 1: faster), and the forward without topk_length (every padded index slot visited); else why it would fall back
+    to the Triton forward (then nothing is timed)."""
+    import torch
+
+    from dsv4.kernels.sparse_attn import flashmla as FM
+    from dsv4.kernels.sparse_attn import op
+    why = FM.unqualified(q, kv, comp, fn, FM.capability(q) if capability is None else capability)
+    if why is not None:
+        return {"triton_flashmla": {"skipped": why}}
+    try:
+        H, scale = q.shape[1], c ** -0.5
+        call = lambda tl: op.sparse_attn_flashmla(q, kv, comp, idx, sink, window, ratio, scale, *meta, fwd_fn=fn,
+                                                  capability=capability, topk_length=tl)
+        fwd, bwd = _fwd_bwd(lambda: call(True), ins)
+        out = {"triton_flashmla_fwd_ms": fwd, "triton_flashmla_bwd_ms": bwd, "triton_flashmla_fwd_bwd_ms": fwd + bwd,
+               "triton_flashmla_fwd_tflops": 4.0 * H * c * nkeys / fwd * 1e-9,
+               "triton_flashmla_bwd_tflops": 10.0 * H * c * nkeys / bwd * 1e-9}
+        with torch.no_grad():
+            out["triton_flashmla_fwd_ms_no_topk_length"] = _ms(lambda: call(False))
+        if "fwd_bwd_ms" in row:
+            out["triton_flashmla_fwd_bwd_speedup_vs_triton"] = row["fwd_bwd_ms"] / (fwd + bwd)
+        return out
+    except Exception as e:  # noqa: BLE001
+        return {"triton_flashmla": _err(repr(e))}
+
+
 def _tuned_ms(kernel) -> dict:
     """The autotuner's median ms of every config it timed for its last tuned key (an in-process A/B of the
     configs, e.g. several queries a program against one): {config: ms}."""
@@ -210,6 +241,8 @@ def _bench_sparse_attn(seqs, dense_peer, log, heads=(64,)):
             row["triton"] = _err(repr(e))
         if H in (64, 128):                       # FlashMLA's sparse prefill: h_q 64 / 128 on SM90
             row.update(_flashmla_row(fm_fn, fm_why, q1, kv1, comp1, idx1, sink, window, ratio, c, nkeys, row, meta))
+            row.update(_flashmla_backend_row(fm_fn, q1, kv1, comp1, idx1, sink, window, ratio, c, nkeys, row, meta,
+                                             ins))
         if S == seqs[0] and H == heads[0]:
             try:
                 nf, nb = _fwd_bwd(lambda: sparse_attn(q1, kv1, comp1, idx1, sink, window, ratio, c ** -0.5, *meta), ins,

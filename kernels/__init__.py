@@ -8,6 +8,11 @@ The one dispatch mechanism: `get_op(name, backend, device)` returns op `name`'s 
 line naming what is missing. `kernels/<op>/__init__.py` (the functions model/ calls, with `backend=`) are thin
 calls of `get_op`. Triton is imported only when the "triton" backend is first asked for.
 
+One op has a third, optional backend: `sparse_attn` "triton+flashmla" = FlashMLA's SM90 sparse prefill forward
+(deepseek-ai/FlashMLA, imported at run time when installed, never vendored) + our Triton backward, falling back
+to the Triton forward when flash_mla is missing or the call does not qualify (kernels/sparse_attn/flashmla.py).
+It is chosen per attention layer (`DSv4Model.set_attn_fwd("flashmla")`), never by `set_kernel_backend`.
+
 Which Triton config / precision a launch uses is decided at call time from the tensors' device (CPU tensors
 run on Triton's interpreter: small blocks, exact fp32 products; `_triton_util.on_cpu`), never at import time.
 """
@@ -21,7 +26,8 @@ BACKENDS = ("naive", "triton")
 # op -> backend -> "module:function" (under dsv4.kernels). Ops without a Triton kernel name their reference
 # (or a plain-PyTorch variant) under "triton" explicitly: mhc's sinkhorn and hc_head.
 OPS: dict[str, dict[str, str]] = {
-    "sparse_attn": {"naive": "sparse_attn.naive:sparse_attn", "triton": "sparse_attn.op:sparse_attn"},
+    "sparse_attn": {"naive": "sparse_attn.naive:sparse_attn", "triton": "sparse_attn.op:sparse_attn",
+                    "triton+flashmla": "sparse_attn.op:sparse_attn_flashmla"},
     "sparse_attn_entry_probs": {"naive": "sparse_attn.naive:entry_probs", "triton": "sparse_attn.op:entry_probs"},
     "compress_pool": {"naive": "compressor.naive:compress_pool", "triton": "compressor.op:compress_pool"},
     "compress_slots": {"naive": "compressor.naive:compress_slots", "triton": "compressor.op:compress_slots"},
@@ -55,21 +61,24 @@ def _resolve(name: str, backend: str):
         raise ValueError(f"kernels: unknown op {name!r}; known: {', '.join(OPS)}")
     if backend not in OPS[name]:
         raise ValueError(f"{name}: unknown backend {backend!r}; known: {', '.join(OPS[name])}")
-    if backend == "triton":
+    if backend.startswith("triton"):
         if importlib.util.find_spec("triton") is None:
-            raise KernelUnavailable(f"{name}: backend 'triton' needs the triton package (pip install triton)")
+            raise KernelUnavailable(f"{name}: backend '{backend}' needs the triton package (pip install triton)")
         from dsv4.kernels import _triton_util
         _TRITON["on_cpu"] = _triton_util.interpreted()
     mod, fn = OPS[name][backend].split(":")
     _RESOLVED[(name, backend)] = getattr(importlib.import_module(f"{__name__}.{mod}"), fn)
+    if backend == "triton+flashmla":                 # flash_mla's import and the device's capability, now
+        from dsv4.kernels.sparse_attn import flashmla
+        flashmla.prepare()
     return _RESOLVED[(name, backend)]
 
 
 def check_device(name: str, backend: str, device) -> None:
     """Raise KernelUnavailable unless `backend` can run op `name` on tensors of `device`."""
-    if backend == "triton" and device is not None and device.type != "cuda" and not (
+    if backend.startswith("triton") and device is not None and device.type != "cuda" and not (
             device.type == "cpu" and _TRITON["on_cpu"]):
-        raise KernelUnavailable(f"{name}: backend 'triton' needs CUDA or TRITON_INTERPRET=1 "
+        raise KernelUnavailable(f"{name}: backend '{backend}' needs CUDA or TRITON_INTERPRET=1 "
                                 f"(set before triton is imported); got {device.type} tensors")
 
 

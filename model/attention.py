@@ -50,6 +50,9 @@ from .norm import RMSNorm, rms_norm
 from .rope import RotaryTable, rope_table_name
 
 
+ATTN_FWDS = ("triton", "flashmla")      # DSv4Attention.attn_fwd (DSv4Model.set_attn_fwd)
+
+
 def attention_halo(cfg: DSv4Config, layer_idx: int) -> int:
     """Left context of a layer's local tokens: max(n_win - 1, coff m - 1 of its compressors)."""
     need = cfg.sliding_window - 1
@@ -90,6 +93,10 @@ class DSv4Attention(nn.Module):
         if not 0 <= layer_idx < len(cfg.compress_ratios):
             raise ConfigError(f"DSv4Config.compress_ratios: no entry for layer_idx {layer_idx}")
         self.cfg, self.layer_idx, self.backend = cfg, layer_idx, backend
+        # the sparse attention's forward on the "triton" backend: "triton" (default) | "flashmla" (FlashMLA's SM90
+        # sparse prefill forward + our Triton backward where it qualifies, kernels/sparse_attn/flashmla.py);
+        # set by DSv4Model.set_attn_fwd; no effect on the "naive" backend
+        self.attn_fwd = "triton"
         self.kind = cfg.layer_kind(layer_idx)                  # 'window' | 'csa' | 'hca'
         self.ratio = cfg.compress_ratios[layer_idx]
         d, H, c, r = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
@@ -231,8 +238,9 @@ class DSv4Attention(nn.Module):
             selection = (sel, iseg, ij)
         use_sel = sel if (self.indexer is not None and mode != "dense") else None   # dense: all entries
         listed = want_loss and use_sel is not None and cfg.indexer_teacher == "joint"   # teacher from the lse
+        sa_backend = "triton+flashmla" if (backend == "triton" and self.attn_fwd == "flashmla") else backend
         o = sparse_attn(q, kv, comp, use_sel, self.attn_sink, self.window, self.ratio or 1, self.scale,
-                        seg, pos, eseg, ej, q0, return_lse=listed, backend=backend)     # [T, H, c]
+                        seg, pos, eseg, ej, q0, return_lse=listed, backend=sa_backend)  # [T, H, c]
         if listed:
             o, lse = o                                                          # lse [T, H]
         loss = None
@@ -257,4 +265,5 @@ class DSv4Attention(nn.Module):
         return o, selection, loss
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer_idx}, kind={self.kind}, ratio={self.ratio}, backend={self.backend}"
+        return f"layer={self.layer_idx}, kind={self.kind}, ratio={self.ratio}, backend={self.backend}" + (
+            f", attn_fwd={self.attn_fwd}" if self.attn_fwd != "triton" else "")

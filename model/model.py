@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4.model.attention import ATTN_FWDS, DSv4Attention
 from dsv4.model.block import Block
 from dsv4.model.config import ConfigError, DSv4Config
 from dsv4.model.layout import Layout, LayoutError
@@ -166,6 +167,20 @@ class DSv4Model(nn.Module):
         for m in self.modules():
             if hasattr(m, "backend") and isinstance(m.backend, str):
                 m.backend = backend
+        return self
+
+    def set_attn_fwd(self, mode: str) -> "DSv4Model":
+        """The sparse attention's forward on the "triton" kernel backend, every attention layer: "triton" (default)
+        | "flashmla" (deepseek-ai/FlashMLA's SM90 sparse prefill forward + our Triton backward wherever the call
+        qualifies -- flash_mla importable, SM90, bf16, H 64 / 128, head_dim 512 --, the Triton forward elsewhere;
+        kernels/sparse_attn/flashmla.py). Resolved now (flash_mla's import), before any torch.compile trace."""
+        if mode not in ATTN_FWDS:
+            raise ValueError(f"set_attn_fwd: unknown mode {mode!r}; known: {', '.join(ATTN_FWDS)}")
+        if mode == "flashmla":
+            kernels.get_op("sparse_attn", "triton+flashmla")
+        for m in self.modules():
+            if isinstance(m, DSv4Attention):
+                m.attn_fwd = mode
         return self
 
     def set_expert_gemm(self, mode: str) -> "DSv4Model":

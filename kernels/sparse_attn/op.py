@@ -5,14 +5,20 @@ output shapes, `register_autograd` connects them. The bodies run `triton._Sparse
 plain ctx record (`FnCtx`), so the numerics are those of the autograd.Function. The backward op rebuilds the
 ctx the forward filled (`triton.prepare`: the same saved tensors, `cfg`, `comp_none`) from its inputs.
 Packed layout (the contract of `naive.sparse_attn`): q [Tq,H,c], kv [Tk,c], seg/pos [Tk], entries [N].
+
+Backend "triton+flashmla" (`sparse_attn_flashmla`, kernels/sparse_attn/flashmla.py): FlashMLA's SM90 sparse prefill
+forward when `flash_mla` is importable and the call qualifies, as custom op `dsv4::sparse_attn_flashmla_fwd` with
+the same outputs as `dsv4::sparse_attn_fwd` (o, lse in log2 units with the sink) and the same registered backward
+(`dsv4::sparse_attn_bwd`); otherwise the Triton forward above.
 """
 import math
 from typing import Optional
 
 import torch
 
-from dsv4.kernels._custom_op import autograd_op, backward_op
+from dsv4.kernels._custom_op import autograd_op, backward_op, traced
 from dsv4.kernels._triton_util import FnCtx
+from dsv4.kernels.sparse_attn import flashmla as FM
 from dsv4.kernels.sparse_attn import naive
 from dsv4.kernels.sparse_attn import triton as T
 
@@ -96,6 +102,86 @@ def sparse_attn(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optiona
         scale = 1.0 / math.sqrt(q.shape[-1])
     o, lse2 = _sparse_attn(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, int(window),
                                              int(ratio or 0), float(scale), int(q_offset))
+    return (o, lse2.detach() * math.log(2.0)) if return_lse else o
+
+
+# ------------------------------------------------------------- backend "triton+flashmla": FlashMLA's forward
+def _sparse_attn_flashmla_fwd(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optional[Tensor],
+                              sink: Tensor, seg: Tensor, pos: Tensor, entry_seg: Optional[Tensor],
+                              entry_j: Optional[Tensor], window: int, ratio: int, scale: float, q_off: int,
+                              use_topk_length: bool) -> tuple[Tensor, Tensor]:
+    """FlashMLA's sparse prefill forward (flashmla.forward) -> (o [Tq,H,c] bf16, lse [Tq,H] fp32, log2 units, sink
+    included): the outputs of `dsv4::sparse_attn_fwd`, so `dsv4::sparse_attn_bwd` is its backward."""
+    fn, why = FM.load()
+    if fn is None:
+        raise RuntimeError(f"dsv4::sparse_attn_flashmla_fwd: {why}")
+    return FM.forward(fn, q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, window, ratio, scale, q_off,
+                      use_topk_length)
+
+
+sparse_attn_flashmla_fwd = torch.library.custom_op("dsv4::sparse_attn_flashmla_fwd",
+                                                   mutates_args=())(_sparse_attn_flashmla_fwd)
+
+
+@sparse_attn_flashmla_fwd.register_fake
+def _(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, window, ratio, scale, q_off, use_topk_length):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def _setup_flashmla(ctx, inputs, output):
+    _setup(ctx, inputs[:13], output)                    # the Triton forward's record: its backward is ours
+
+
+def _backward_flashmla(ctx, do, dlse):
+    return _backward(ctx, do, dlse) + (None,)           # no gradient for use_topk_length
+
+
+sparse_attn_flashmla_fwd.register_autograd(_backward_flashmla, setup_context=_setup_flashmla)
+
+
+class _FlashMLAEager(torch.autograd.Function):
+    """The eager call (as `_custom_op.autograd_op`'s, skipping the dispatcher), with the forward function `fn` an
+    explicit argument: flash_mla_sparse_fwd, or a stand-in with its signature and returns (the CPU tests)."""
+
+    @staticmethod
+    def forward(ctx, fn, *args):
+        out = FM.forward(fn, *args)
+        _setup_flashmla(ctx, args, out)
+        ctx.eager = True
+        return out
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        return (None,) + _backward_flashmla(ctx, do, dlse)
+
+
+def sparse_attn_flashmla(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optional[Tensor], sink: Tensor,
+                         window: int, ratio: int, scale: float, seg: Tensor, pos: Tensor,
+                         entry_seg: Optional[Tensor] = None, entry_j: Optional[Tensor] = None, q_offset: int = 0,
+                         return_lse: bool = False, *, fwd_fn=None, capability=None, topk_length: bool = True):
+    """Backend "triton+flashmla": FlashMLA's forward + our Triton backward when the call qualifies
+    (`flashmla.unqualified`: flash_mla importable, SM90, bf16, H in (64, 128), c = 512), else `sparse_attn` (the
+    Triton forward and backward). Same contract and returns as `sparse_attn`.
+    fwd_fn: the forward function (None: flash_mla.flash_mla_sparse_fwd when importable); a stand-in with its
+    signature and returns runs eagerly only (tests). capability: the device's (major, minor) (None: read from
+    q's device; tests give (9, 0) with a stand-in on CPU tensors). topk_length: pass FlashMLA the live index
+    count per query (it skips the dead tail blocks) -- False: every padded slot is visited, as the issue 14 peer."""
+    naive.check_args(q, kv, comp, comp_idx, sink, window, ratio, seg, pos, entry_seg, entry_j, q_offset)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    fn = FM.load()[0] if fwd_fn is None else fwd_fn
+    cap = FM.capability(q) if capability is None else capability
+    if FM.unqualified(q, kv, comp, fn, cap) is not None:
+        return sparse_attn(q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j,
+                           q_offset, return_lse)
+    args = (q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, int(window), int(ratio or 0), float(scale),
+            int(q_offset), bool(topk_length))
+    if traced(args):
+        if fwd_fn is not None:
+            raise ValueError("sparse_attn_flashmla: a stand-in fwd_fn runs eagerly only, not under torch.compile")
+        o, lse2 = sparse_attn_flashmla_fwd(*args)
+    else:
+        o, lse2 = _FlashMLAEager.apply(fn, *args)
     return (o, lse2.detach() * math.log(2.0)) if return_lse else o
 
 
