@@ -9,7 +9,9 @@ Per op (shapes = DSv4-Flash where the op has them; B = 1):
                at H = 64: FlashMLA's sparse prefill forward on the same inputs when `flash_mla` is importable
                (harness/flashmla_peer.py; built by harness/device/flashmla_h200.sh), else the reason; and the
                `triton_flashmla_*` columns: backend "triton+flashmla" (FlashMLA's forward + our Triton backward,
-               kernels/sparse_attn/flashmla.py) fwd / bwd / fwd+bwd on the same inputs, else why it falls back.
+               kernels/sparse_attn/flashmla.py) fwd / bwd / fwd+bwd on the same inputs, else why it falls back;
+               the `flashmla_cudnn_*` columns: backend "triton+flashmla+cudnn" (the same forward + NVIDIA
+               cudnn-frontend's SM90 DSA backward, kernels/sparse_attn/cudnn_bwd.py), same inputs, else why not.
   indexer      nI=64, cI=128, ratio 4: scoring fwd/bwd TFLOP/s over causal (t, j) pairs; top-k k=512; and
                `topk_rows`: the radix-select top-k (kernels/indexer/topk.py) vs naive's sort on [4096, N] score
                chunks, N = 4K / 16K / 32K.
@@ -147,33 +149,47 @@ def _flashmla_row(fn, why, q, kv, comp, idx, sink, window, ratio, c, nkeys, row,
         return {"flashmla": _err(repr(e))}
 
 
-def _flashmla_backend_row(fn, q, kv, comp, idx, sink, window, ratio, c, nkeys, row, meta, ins, capability=None) -> dict:
-    """Backend "triton+flashmla" (kernels/sparse_attn/flashmla.py: FlashMLA's forward + our Triton backward) on this
-    row's inputs: its fwd / bwd / fwd+bwd ms, TFLOP/s over the same keys, fwd+bwd relative to the pure Triton path
-    (> 1: faster), and the forward without topk_length (every padded index slot visited); else why it would fall back
-    to the Triton forward (then nothing is timed)."""
+def _flashmla_backend_row(fn, q, kv, comp, idx, sink, window, ratio, c, nkeys, row, meta, ins, capability=None,
+                          bwd_fn=None, cudnn=False) -> dict:
+    """Backend "triton+flashmla" (kernels/sparse_attn/flashmla.py: FlashMLA's forward + our Triton backward), or with
+    cudnn=True backend "triton+flashmla+cudnn" (the same forward + cuDNN's SM90 DSA backward,
+    kernels/sparse_attn/cudnn_bwd.py), on this row's inputs: its fwd / bwd / fwd+bwd ms, TFLOP/s over the same keys,
+    fwd+bwd relative to the pure Triton path (> 1: faster), and (triton+flashmla) the forward without topk_length
+    (every padded index slot visited); else why it would fall back (then nothing is timed)."""
     import torch
 
+    from dsv4.kernels.sparse_attn import cudnn_bwd as CB
     from dsv4.kernels.sparse_attn import flashmla as FM
     from dsv4.kernels.sparse_attn import op
-    why = FM.unqualified(q, kv, comp, fn, FM.capability(q) if capability is None else capability)
+    name = "flashmla_cudnn" if cudnn else "triton_flashmla"
+    cap = FM.capability(q) if capability is None else capability
+    if cudnn:
+        bwd_fn = CB.load()[0] if bwd_fn is None else bwd_fn
+        why = CB.unqualified(q, kv, comp, fn, bwd_fn, cap)
+    else:
+        why = FM.unqualified(q, kv, comp, fn, cap)
     if why is not None:
-        return {"triton_flashmla": {"skipped": why}}
+        return {name: {"skipped": why}}
     try:
         H, scale = q.shape[1], c ** -0.5
-        call = lambda tl: op.sparse_attn_flashmla(q, kv, comp, idx, sink, window, ratio, scale, *meta, fwd_fn=fn,
-                                                  capability=capability, topk_length=tl)
+        if cudnn:
+            call = lambda tl: op.sparse_attn_flashmla_cudnn(q, kv, comp, idx, sink, window, ratio, scale, *meta,
+                                                            fwd_fn=fn, bwd_fn=bwd_fn, capability=capability)
+        else:
+            call = lambda tl: op.sparse_attn_flashmla(q, kv, comp, idx, sink, window, ratio, scale, *meta,
+                                                      fwd_fn=fn, capability=capability, topk_length=tl)
         fwd, bwd = _fwd_bwd(lambda: call(True), ins)
-        out = {"triton_flashmla_fwd_ms": fwd, "triton_flashmla_bwd_ms": bwd, "triton_flashmla_fwd_bwd_ms": fwd + bwd,
-               "triton_flashmla_fwd_tflops": 4.0 * H * c * nkeys / fwd * 1e-9,
-               "triton_flashmla_bwd_tflops": 10.0 * H * c * nkeys / bwd * 1e-9}
-        with torch.no_grad():
-            out["triton_flashmla_fwd_ms_no_topk_length"] = _ms(lambda: call(False))
+        out = {f"{name}_fwd_ms": fwd, f"{name}_bwd_ms": bwd, f"{name}_fwd_bwd_ms": fwd + bwd,
+               f"{name}_fwd_tflops": 4.0 * H * c * nkeys / fwd * 1e-9,
+               f"{name}_bwd_tflops": 10.0 * H * c * nkeys / bwd * 1e-9}
+        if not cudnn:
+            with torch.no_grad():
+                out[f"{name}_fwd_ms_no_topk_length"] = _ms(lambda: call(False))
         if "fwd_bwd_ms" in row:
-            out["triton_flashmla_fwd_bwd_speedup_vs_triton"] = row["fwd_bwd_ms"] / (fwd + bwd)
+            out[f"{name}_fwd_bwd_speedup_vs_triton"] = row["fwd_bwd_ms"] / (fwd + bwd)
         return out
     except Exception as e:  # noqa: BLE001
-        return {"triton_flashmla": _err(repr(e))}
+        return {name: _err(repr(e))}
 
 
 def _tuned_ms(kernel) -> dict:
@@ -243,6 +259,8 @@ def _bench_sparse_attn(seqs, dense_peer, log, heads=(64,)):
             row.update(_flashmla_row(fm_fn, fm_why, q1, kv1, comp1, idx1, sink, window, ratio, c, nkeys, row, meta))
             row.update(_flashmla_backend_row(fm_fn, q1, kv1, comp1, idx1, sink, window, ratio, c, nkeys, row, meta,
                                              ins))
+            row.update(_flashmla_backend_row(fm_fn, q1, kv1, comp1, idx1, sink, window, ratio, c, nkeys, row, meta,
+                                             ins, cudnn=True))
         if S == seqs[0] and H == heads[0]:
             try:
                 nf, nb = _fwd_bwd(lambda: sparse_attn(q1, kv1, comp1, idx1, sink, window, ratio, c ** -0.5, *meta), ins,

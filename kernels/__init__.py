@@ -11,7 +11,10 @@ calls of `get_op`. Triton is imported only when the "triton" backend is first as
 One op has a third, optional backend: `sparse_attn` "triton+flashmla" = FlashMLA's SM90 sparse prefill forward
 (deepseek-ai/FlashMLA, imported at run time when installed, never vendored) + our Triton backward, falling back
 to the Triton forward when flash_mla is missing or the call does not qualify (kernels/sparse_attn/flashmla.py).
-It is chosen per attention layer (`DSv4Model.set_attn_fwd("flashmla")`), never by `set_kernel_backend`.
+A fourth, "triton+flashmla+cudnn", pairs FlashMLA's forward with NVIDIA cudnn-frontend's SM90 DSA backward
+(kernels/sparse_attn/cudnn_bwd.py; installed at run time, never vendored), falling back to "triton+flashmla".
+Both are chosen per attention layer (`DSv4Model.set_attn_fwd("flashmla" | "flashmla+cudnn")`), never by
+`set_kernel_backend`.
 
 Which Triton config / precision a launch uses is decided at call time from the tensors' device (CPU tensors
 run on Triton's interpreter: small blocks, exact fp32 products; `_triton_util.on_cpu`), never at import time.
@@ -27,7 +30,8 @@ BACKENDS = ("naive", "triton")
 # (or a plain-PyTorch variant) under "triton" explicitly: mhc's sinkhorn and hc_head.
 OPS: dict[str, dict[str, str]] = {
     "sparse_attn": {"naive": "sparse_attn.naive:sparse_attn", "triton": "sparse_attn.op:sparse_attn",
-                    "triton+flashmla": "sparse_attn.op:sparse_attn_flashmla"},
+                    "triton+flashmla": "sparse_attn.op:sparse_attn_flashmla",
+                    "triton+flashmla+cudnn": "sparse_attn.op:sparse_attn_flashmla_cudnn"},
     "sparse_attn_entry_probs": {"naive": "sparse_attn.naive:entry_probs", "triton": "sparse_attn.op:entry_probs"},
     "compress_pool": {"naive": "compressor.naive:compress_pool", "triton": "compressor.op:compress_pool"},
     "compress_slots": {"naive": "compressor.naive:compress_slots", "triton": "compressor.op:compress_slots"},
@@ -71,6 +75,9 @@ def _resolve(name: str, backend: str):
     if backend == "triton+flashmla":                 # flash_mla's import and the device's capability, now
         from dsv4.kernels.sparse_attn import flashmla
         flashmla.prepare()
+    if backend == "triton+flashmla+cudnn":           # and cudnn-frontend's import
+        from dsv4.kernels.sparse_attn import cudnn_bwd
+        cudnn_bwd.prepare()
     return _RESOLVED[(name, backend)]
 
 

@@ -25,6 +25,12 @@ def _flashmla_ready() -> bool:
         flashmla.capability(torch.empty(0, device="cuda")) in flashmla.ARCHS
 
 
+def _cudnn_ready() -> bool:
+    """FlashMLA's forward and cudnn-frontend's DSA backward can both run here: only then is their op checked."""
+    from dsv4.kernels.sparse_attn import cudnn_bwd
+    return _flashmla_ready() and cudnn_bwd.load()[0] is not None
+
+
 def _cases():
     torch.manual_seed(0)
     S, B, H, c, ratio = 9, 1, 2, 16, 4
@@ -40,6 +46,11 @@ def _cases():
         yield "sparse_attn_flashmla_fwd", (_r(S, 64, 512, dtype=bf), _r(S, 512, dtype=bf),
                                            _r(S // ratio, 512, dtype=bf), idx, _r(64), seg, pos, eseg, ej, 4, ratio,
                                            512 ** -0.5, 0, True)
+    if _cudnn_ready():          # backend "triton+flashmla+cudnn": its forward op, whose autograd is cuDNN's backward
+        bf = torch.bfloat16
+        yield "sparse_attn_fmla_cudnn_fwd", (_r(S, 64, 512, dtype=bf), _r(S, 512, dtype=bf),
+                                             _r(S // ratio, 512, dtype=bf), idx, _r(64), seg, pos, eseg, ej, 4, ratio,
+                                             512 ** -0.5, 0)
     cseg = torch.tensor([0] * 6 + [-1] + [1] * 5, device=DEV)                              # 2 documents + padding
     cpos = torch.tensor([0, 1, 2, 3, 4, 5, 0, 0, 1, 2, 3, 4], device=DEV)
     yield "compress_slots_fwd", (cseg, cpos, 2, True, 0)
@@ -74,7 +85,8 @@ def test_opcheck_every_triton_custom_op():
     for name, args in _cases():
         seen.add(name)
         torch.library.opcheck(getattr(torch.ops.dsv4, name).default, args)
-    gpu_only = set() if _flashmla_ready() else {"sparse_attn_flashmla_fwd"}   # FlashMLA: SM90 + flash_mla only
+    gpu_only = (set() if _flashmla_ready() else {"sparse_attn_flashmla_fwd"}) | (   # FlashMLA: SM90 + flash_mla only
+        set() if _cudnn_ready() else {"sparse_attn_fmla_cudnn_fwd"})                # and cudnn-frontend
     assert seen >= {n for n in dir(torch.ops.dsv4) if n.endswith("_fwd")} - gpu_only | {"rope_rows", "ce_lse",
                                                                                          "ce_dlogits", "indexer_topk"}
 

@@ -50,7 +50,8 @@ from .norm import RMSNorm, rms_norm
 from .rope import RotaryTable, rope_table_name
 
 
-ATTN_FWDS = ("triton", "flashmla")      # DSv4Attention.attn_fwd (DSv4Model.set_attn_fwd)
+# DSv4Attention.attn_fwd (DSv4Model.set_attn_fwd) -> the sparse attention's kernel backend on the "triton" backend
+ATTN_FWDS = {"triton": "triton", "flashmla": "triton+flashmla", "flashmla+cudnn": "triton+flashmla+cudnn"}
 
 
 def attention_halo(cfg: DSv4Config, layer_idx: int) -> int:
@@ -94,7 +95,8 @@ class DSv4Attention(nn.Module):
             raise ConfigError(f"DSv4Config.compress_ratios: no entry for layer_idx {layer_idx}")
         self.cfg, self.layer_idx, self.backend = cfg, layer_idx, backend
         # the sparse attention's forward on the "triton" backend: "triton" (default) | "flashmla" (FlashMLA's SM90
-        # sparse prefill forward + our Triton backward where it qualifies, kernels/sparse_attn/flashmla.py);
+        # sparse prefill forward + our Triton backward where it qualifies, kernels/sparse_attn/flashmla.py) |
+        # "flashmla+cudnn" (the same forward + cuDNN's SM90 DSA backward, kernels/sparse_attn/cudnn_bwd.py);
         # set by DSv4Model.set_attn_fwd; no effect on the "naive" backend
         self.attn_fwd = "triton"
         self.kind = cfg.layer_kind(layer_idx)                  # 'window' | 'csa' | 'hca'
@@ -238,7 +240,7 @@ class DSv4Attention(nn.Module):
             selection = (sel, iseg, ij)
         use_sel = sel if (self.indexer is not None and mode != "dense") else None   # dense: all entries
         listed = want_loss and use_sel is not None and cfg.indexer_teacher == "joint"   # teacher from the lse
-        sa_backend = "triton+flashmla" if (backend == "triton" and self.attn_fwd == "flashmla") else backend
+        sa_backend = ATTN_FWDS[self.attn_fwd] if backend == "triton" else backend
         o = sparse_attn(q, kv, comp, use_sel, self.attn_sink, self.window, self.ratio or 1, self.scale,
                         seg, pos, eseg, ej, q0, return_lse=listed, backend=sa_backend)  # [T, H, c]
         if listed:

@@ -173,11 +173,12 @@ class DSv4Model(nn.Module):
         """The sparse attention's forward on the "triton" kernel backend, every attention layer: "triton" (default)
         | "flashmla" (deepseek-ai/FlashMLA's SM90 sparse prefill forward + our Triton backward wherever the call
         qualifies -- flash_mla importable, SM90, bf16, H 64 / 128, head_dim 512 --, the Triton forward elsewhere;
-        kernels/sparse_attn/flashmla.py). Resolved now (flash_mla's import), before any torch.compile trace."""
+        kernels/sparse_attn/flashmla.py) | "flashmla+cudnn" (the same forward + NVIDIA cudnn-frontend's SM90 DSA
+        backward, kernels/sparse_attn/cudnn_bwd.py). Resolved now (the imports), before any torch.compile trace."""
         if mode not in ATTN_FWDS:
             raise ValueError(f"set_attn_fwd: unknown mode {mode!r}; known: {', '.join(ATTN_FWDS)}")
-        if mode == "flashmla":
-            kernels.get_op("sparse_attn", "triton+flashmla")
+        if mode != "triton":
+            kernels.get_op("sparse_attn", ATTN_FWDS[mode])
         for m in self.modules():
             if isinstance(m, DSv4Attention):
                 m.attn_fwd = mode

@@ -163,13 +163,22 @@ def lse_ours(lse_fm: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     return torch.where(none, s, torch.logaddexp(torch.where(none, s, lse_fm.to(dt)), s)) * LOG2E
 
 
-def forward(fn, q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, window: int, ratio: int, scale: float,
-            q_off: int, use_topk_length: bool = True):
-    """FlashMLA's forward on our arguments -> (o [Tq,H,c], lse [Tq,H] fp32 log2 units incl. the sink): the
-    outputs of `dsv4::sparse_attn_fwd`. `fn` has flash_mla_sparse_fwd's signature and returns (module docstring)."""
+def forward_raw(fn, q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, window: int, ratio: int, scale: float,
+                q_off: int, use_topk_length: bool = True):
+    """FlashMLA's forward on our arguments -> (o [Tq,H,c], lse [Tq,H] FlashMLA's own: natural log, no sink, +inf
+    with no key, ix [Tq, K] int32 its indices into kv_all). `fn` has flash_mla_sparse_fwd's signature and returns."""
     Tq, H, c = q.shape
     N = 0 if comp is None else comp.shape[0]
     ix, length = indices(seg, pos, Tq, window, max(int(ratio or 1), 1), comp_idx, entry_seg, entry_j, N, q_off)
     o, _max_logits, lse = fn(q.contiguous(), kv_all(kv, comp), ix, float(scale), c, sink.float().contiguous(),
                              length if use_topk_length else None)
+    return o, lse, ix[:, 0]
+
+
+def forward(fn, q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, window: int, ratio: int, scale: float,
+            q_off: int, use_topk_length: bool = True):
+    """FlashMLA's forward on our arguments -> (o [Tq,H,c], lse [Tq,H] fp32 log2 units incl. the sink): the
+    outputs of `dsv4::sparse_attn_fwd`."""
+    o, lse, _ix = forward_raw(fn, q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, window, ratio, scale,
+                              q_off, use_topk_length)
     return o, lse_ours(lse, sink)

@@ -10,6 +10,11 @@ Backend "triton+flashmla" (`sparse_attn_flashmla`, kernels/sparse_attn/flashmla.
 forward when `flash_mla` is importable and the call qualifies, as custom op `dsv4::sparse_attn_flashmla_fwd` with
 the same outputs as `dsv4::sparse_attn_fwd` (o, lse in log2 units with the sink) and the same registered backward
 (`dsv4::sparse_attn_bwd`); otherwise the Triton forward above.
+
+Backend "triton+flashmla+cudnn" (`sparse_attn_flashmla_cudnn`, kernels/sparse_attn/cudnn_bwd.py): FlashMLA's forward
+(`dsv4::sparse_attn_fmla_cudnn_fwd`, which also returns FlashMLA's own lse and its index rows) and cuDNN's SM90 DSA
+backward (`dsv4::sparse_attn_cudnn_bwd`) when both are importable and the call qualifies; otherwise backend
+"triton+flashmla" (then the Triton forward and backward).
 """
 import math
 from typing import Optional
@@ -18,6 +23,7 @@ import torch
 
 from dsv4.kernels._custom_op import autograd_op, backward_op, traced
 from dsv4.kernels._triton_util import FnCtx
+from dsv4.kernels.sparse_attn import cudnn_bwd as CB
 from dsv4.kernels.sparse_attn import flashmla as FM
 from dsv4.kernels.sparse_attn import naive
 from dsv4.kernels.sparse_attn import triton as T
@@ -183,6 +189,115 @@ def sparse_attn_flashmla(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx
     else:
         o, lse2 = _FlashMLAEager.apply(fn, *args)
     return (o, lse2.detach() * math.log(2.0)) if return_lse else o
+
+
+# ---------------------------------------------- backend "triton+flashmla+cudnn": FlashMLA forward + cuDNN backward
+def _fmla_cudnn_fwd(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optional[Tensor], sink: Tensor,
+                    seg: Tensor, pos: Tensor, entry_seg: Optional[Tensor], entry_j: Optional[Tensor], window: int,
+                    ratio: int, scale: float, q_off: int) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (o [Tq,H,c], lse [Tq,H] fp32 FlashMLA's: natural log, no sink, ix [Tq,K] int32 into kv_all)."""
+    fn, why = FM.load()
+    if fn is None:
+        raise RuntimeError(f"dsv4::sparse_attn_fmla_cudnn_fwd: {why}")
+    return FM.forward_raw(fn, q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, window, ratio, scale, q_off)
+
+
+sparse_attn_fmla_cudnn_fwd = torch.library.custom_op("dsv4::sparse_attn_fmla_cudnn_fwd",
+                                                     mutates_args=())(_fmla_cudnn_fwd)
+
+
+@sparse_attn_fmla_cudnn_fwd.register_fake
+def _(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, window, ratio, scale, q_off):
+    K = window + (comp_idx.shape[1] if comp_idx is not None else (comp.shape[0] if comp is not None else 0))
+    return (q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32),
+            q.new_empty((q.shape[0], FM.padded(K)), dtype=torch.int32))
+
+
+def _cudnn_bwd(do: Tensor, q: Tensor, kv: Tensor, comp: Optional[Tensor], sink: Tensor, o: Tensor, lse: Tensor,
+               ix: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (dq [Tq,H,c], dkv_all [Tk+N,c] (key stream rows, then the entries), dsink [H] fp32): cuDNN's backward."""
+    fn, why = CB.load()
+    if fn is None:
+        raise RuntimeError(f"dsv4::sparse_attn_cudnn_bwd: {why}")
+    return CB.backward(fn, q, FM.kv_all(kv, comp)[:, 0], o, do, lse, sink, ix, scale)
+
+
+sparse_attn_cudnn_bwd = torch.library.custom_op("dsv4::sparse_attn_cudnn_bwd", mutates_args=())(_cudnn_bwd)
+
+
+@sparse_attn_cudnn_bwd.register_fake
+def _(do, q, kv, comp, sink, o, lse, ix, scale):
+    N = 0 if comp is None else comp.shape[0]
+    return q.new_empty(q.shape), kv.new_empty((kv.shape[0] + N, kv.shape[1])), sink.new_empty(sink.shape,
+                                                                                               dtype=torch.float32)
+
+
+def _setup_cudnn(ctx, inputs, output):
+    q, kv, comp, _comp_idx, sink = inputs[:5]
+    o, lse, ix = output
+    ctx.save_for_backward(q, kv, comp, sink, o, lse, ix)
+    ctx.scale, ctx.comp_none = float(inputs[11]), comp is None
+
+
+def _backward_cudnn(ctx, do, _dlse, _dix):
+    q, kv, comp, sink, o, lse, ix = ctx.saved_tensors
+    bwd_fn = getattr(ctx, "bwd_fn", None)                   # eager: the backward function given explicitly
+    if bwd_fn is not None:
+        dq, dkv_all, dsink = CB.backward(bwd_fn, q, FM.kv_all(kv, comp)[:, 0], o, do, lse, sink, ix, ctx.scale)
+    else:
+        dq, dkv_all, dsink = sparse_attn_cudnn_bwd(do, q, kv, comp, sink, o, lse, ix, ctx.scale)
+    Tk = kv.shape[0]                                        # dkv_all [Tk + N, c] -> the stream rows, the entries
+    return (dq, dkv_all[:Tk], None if ctx.comp_none else dkv_all[Tk:], None, dsink.to(sink.dtype)) + (None,) * 8
+
+
+sparse_attn_fmla_cudnn_fwd.register_autograd(_backward_cudnn, setup_context=_setup_cudnn)
+
+
+class _FlashMLACudnnEager(torch.autograd.Function):
+    """The eager call, with both functions explicit arguments: FlashMLA's forward and cuDNN's backward wrapper, or
+    stand-ins with their signatures and returns (the CPU tests)."""
+
+    @staticmethod
+    def forward(ctx, fwd_fn, bwd_fn, *args):
+        out = FM.forward_raw(fwd_fn, *args)
+        _setup_cudnn(ctx, args, out)
+        ctx.bwd_fn = bwd_fn
+        ctx.mark_non_differentiable(out[1], out[2])
+        return out
+
+    @staticmethod
+    def backward(ctx, do, dlse, dix):
+        return (None, None) + _backward_cudnn(ctx, do, dlse, dix)
+
+
+def sparse_attn_flashmla_cudnn(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optional[Tensor],
+                               sink: Tensor, window: int, ratio: int, scale: float, seg: Tensor, pos: Tensor,
+                               entry_seg: Optional[Tensor] = None, entry_j: Optional[Tensor] = None,
+                               q_offset: int = 0, return_lse: bool = False, *, fwd_fn=None, bwd_fn=None,
+                               capability=None):
+    """Backend "triton+flashmla+cudnn": FlashMLA's forward + cuDNN's SM90 backward when both can run the call
+    (`cudnn_bwd.unqualified`), else backend "triton+flashmla" (which falls back to the Triton path). Same contract
+    and returns as `sparse_attn`. fwd_fn / bwd_fn: stand-ins with the signatures and returns of
+    flash_mla_sparse_fwd / cuDNN's sparse_attention_backward_wrapper (tests; eager only); None: the real ones.
+    capability: the device's (major, minor) (None: read from q's device)."""
+    naive.check_args(q, kv, comp, comp_idx, sink, window, ratio, seg, pos, entry_seg, entry_j, q_offset)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    fn = FM.load()[0] if fwd_fn is None else fwd_fn
+    bfn = CB.load()[0] if bwd_fn is None else bwd_fn
+    cap = FM.capability(q) if capability is None else capability
+    if CB.unqualified(q, kv, comp, fn, bfn, cap) is not None:
+        return sparse_attn_flashmla(q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j,
+                                    q_offset, return_lse, fwd_fn=fwd_fn, capability=capability)
+    args = (q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, int(window), int(ratio or 0), float(scale),
+            int(q_offset))
+    if traced(args):
+        if fwd_fn is not None or bwd_fn is not None:
+            raise ValueError("sparse_attn_flashmla_cudnn: stand-in functions run eagerly only, not under torch.compile")
+        o, lse, _ix = sparse_attn_fmla_cudnn_fwd(*args)
+    else:
+        o, lse, _ix = _FlashMLACudnnEager.apply(fn, bfn, *args)
+    return (o, FM.lse_ours(lse.detach(), sink.detach()) * math.log(2.0)) if return_lse else o
 
 
 @torch.library.custom_op("dsv4::sparse_attn_entry_probs", mutates_args=())

@@ -14,6 +14,7 @@ from dsv4.kernels._testing import CUDA, assert_close, assert_rel, packed_meta, u
 use_interpreter()
 
 import math  # noqa: E402
+import re  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -21,6 +22,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 from dsv4.harness.flashmla_peer import gathered_attention  # noqa: E402
 from dsv4.kernels.compressor.naive import entry_slots  # noqa: E402
+from dsv4.kernels.sparse_attn import cudnn_bwd as CB  # noqa: E402
 from dsv4.kernels.sparse_attn import flashmla as FM  # noqa: E402
 from dsv4.kernels.sparse_attn import naive  # noqa: E402
 from dsv4.kernels.sparse_attn import op  # noqa: E402
@@ -190,7 +192,7 @@ def test_model_switch_and_bench_row_reason():
     assert layers and all(a.attn_fwd == "triton" for a in layers)                # the default
     assert m.set_attn_fwd("flashmla") is m and all(a.attn_fwd == "flashmla" for a in layers)
     assert "attn_fwd=flashmla" in repr(layers[0])
-    with pytest.raises(ValueError, match="unknown mode 'cudnn'; known: triton, flashmla"):
+    with pytest.raises(ValueError, match=re.escape("unknown mode 'cudnn'; known: triton, flashmla, flashmla+cudnn")):
         m.set_attn_fwd("cudnn")
     m.set_attn_fwd("triton")
     assert all(a.attn_fwd == "triton" for a in layers) and "attn_fwd" not in repr(layers[0])
@@ -278,6 +280,125 @@ def test_gpu_flashmla_forward_triton_backward(mode, layout, topk_length):
     for n, a, b in zip(names, got, tri):
         assert_rel(f"{n} vs triton", a, b, 1e-1 if (n == "dcomp" and mode == "csa") else 4e-2)
     if layout == "one_doc_16k":                             # naive at 16K: a [16K, 512, 512] fp32 gather (17 GB)
+        return
+    ref = naive.sparse_attn(q, kv, comp, idx, sink, 128, ratio, scale, **meta)
+    want = torch.autograd.grad(ref, ins, do)
+    assert_rel("o vs naive", o, ref, 1e-2)
+    for n, a, b in zip(names, got, want):
+        assert_rel(f"{n} vs naive", a, b, 5e-2 if (n == "dcomp" and mode == "csa") else 2e-2)
+
+
+# ----------------------------------------------------------- backend "triton+flashmla+cudnn": + cuDNN's backward
+def bwd_stand_in(q, kv, out, dout, lse, attn_sink, topk_idxs, softmax_scale=None, topk_length=None):
+    """cudnn-frontend's sparse_attention_backward_wrapper: its signature, input checks (_interface_sm90.py
+    flash_attn_bwd_sm90) and returns ({"dq", "dkv", "d_sink"}), the gradients by fp64 autograd of the gathered
+    attention (the contract: entries outside [0, S_kv) ignored). It also checks what it is given: `lse` is the
+    KV-only natural log-sum-exp (FlashMLA's, +inf with no key) and `out` the attention output of these inputs."""
+    S_q, H, D = q.shape
+    assert kv.dim() == 2 and kv.shape[1] == D and out.shape == dout.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == (S_q, H)
+    assert attn_sink.dtype == torch.float32 and attn_sink.shape == (H,)
+    assert topk_idxs.dtype == torch.int32 and topk_idxs.dim() == 2 and topk_idxs.shape[0] == S_q
+    assert topk_length is None and all(t.is_contiguous() for t in (q, kv, out, dout, lse, attn_sink, topk_idxs))
+    ix = topk_idxs.long()
+    bad = (ix < 0) | (ix >= kv.shape[0])
+    with torch.enable_grad():
+        qq, kk, ss = (t.detach().double().requires_grad_() for t in (q, kv, attn_sink))
+        g = kk[torch.where(bad, 0, ix)]                                               # [S_q, K, D]
+        P = (torch.einsum("shd,skd->shk", qq, g) * softmax_scale).masked_fill(bad[:, None, :], float("-inf"))
+        lse_kv = torch.logsumexp(P, -1)
+        o = torch.einsum("shk,skd->shd", torch.exp(P - torch.logaddexp(lse_kv, ss[None, :])[..., None]), g)
+        dq, dkv, dsink = torch.autograd.grad(o, (qq, kk, ss), dout.double())
+    seen = torch.where(torch.isneginf(lse_kv), float("inf"), lse_kv).detach()
+    assert torch.allclose(seen, lse.double(), rtol=1e-5, atol=1e-5, equal_nan=False), "lse is not FlashMLA's"
+    assert torch.allclose(o.detach(), out.double(), rtol=1e-4, atol=1e-5), "out is not this attention's output"
+    return {"dq": dq.to(q.dtype), "dkv": dkv.to(kv.dtype), "d_sink": dsink.float()}
+
+
+@pytest.mark.parametrize("mode,layout", [("window", "packed"), ("csa", "halo"), ("csa", "packed"), ("hca", "halo"),
+                                         ("hca", "one_doc")])
+def test_stand_ins_forward_and_cudnn_backward_equal_triton(mode, layout):
+    """Backend "triton+flashmla+cudnn" with both stand-ins (FlashMLA's forward, cuDNN's backward; tiny shapes, the
+    eager Function directly): output, lse and the gradients -- dkv_all split into the key stream's and the entries'
+    rows, d_sink -- == the pure Triton path (fp32, interpreter), and the backward got FlashMLA's own lse."""
+    (q, kv, comp, idx, sink), meta, ratio = _case(mode, layout, H=3, c=24, window=5, dtype=torch.float32)
+    ins = [x.requires_grad_() for x in (q, kv, comp, sink) if x is not None]
+    args = (q, kv, comp, idx, sink, meta["seg"], meta["pos"], meta["entry_seg"], meta["entry_j"], 5, ratio,
+            24 ** -0.5, meta["q_offset"])
+    o, lse_fm, ix = op._FlashMLACudnnEager.apply(stand_in, bwd_stand_in, *args)
+    assert ix.dtype == torch.int32 and ix.shape[1] % 128 == 0 and not lse_fm.requires_grad
+    o_t, lse_t = op.sparse_attn(q, kv, comp, idx, sink, 5, ratio, 24 ** -0.5, **meta, return_lse=True)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad(o, ins, do)
+    want = torch.autograd.grad(o_t, ins, do)
+    # the bounds of test_sparse_attn.py's fp32 Triton-vs-naive checks (summation order only), as above
+    assert_close("o", o, o_t, 2e-5, 1e-5)
+    assert_close("lse", FM.lse_ours(lse_fm, sink.detach()) * math.log(2.0), lse_t, 2e-5, 1e-5)
+    for n, a, b in zip(("dq", "dkv", "dcomp", "dsink") if comp is not None else ("dq", "dkv", "dsink"), got, want):
+        assert_close(n, a, b, 5e-5, 1e-4)
+
+
+def test_cudnn_dispatch_and_fallback():
+    """A qualifying call with both stand-ins runs them (lse returned as ours); with no cuDNN (bwd_fn None and
+    cudnn-frontend not importable here) the call is backend "triton+flashmla" bit for bit, and the reason says so;
+    the fake of the forward op gives the index width FM.indices builds."""
+    (q, kv, comp, idx, sink), meta, ratio = _case("csa", "halo", H=64, c=512, window=5, dtype=torch.bfloat16)
+    fn, calls = _counting(stand_in)
+    with torch.no_grad():
+        o, lse = op.sparse_attn_flashmla_cudnn(q, kv, comp, idx, sink, 5, ratio, 512 ** -0.5, **meta,
+                                               return_lse=True, fwd_fn=fn, bwd_fn=bwd_stand_in, capability=(9, 0))
+        o_f, lse_f = op.sparse_attn_flashmla(q, kv, comp, idx, sink, 5, ratio, 512 ** -0.5, **meta, return_lse=True,
+                                             fwd_fn=fn, capability=(9, 0))
+    assert len(calls) == 2 and torch.equal(o, o_f) and torch.equal(lse, lse_f)
+    if CB.load()[0] is None:
+        assert CB.unqualified(q, kv, comp, fn, None, (9, 0)) == "cudnn-frontend's DSA backward not importable"
+        with torch.no_grad():
+            o2 = op.sparse_attn_flashmla_cudnn(q, kv, comp, idx, sink, 5, ratio, 512 ** -0.5, **meta, fwd_fn=fn,
+                                               capability=(9, 0))
+        assert torch.equal(o2, o_f) and len(calls) == 3
+    ix, _ = FM.indices(meta["seg"], meta["pos"], q.shape[0], 5, ratio, idx, meta["entry_seg"], meta["entry_j"],
+                       comp.shape[0], meta["q_offset"])
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        _o, _l, fix = op.sparse_attn_fmla_cudnn_fwd(q, kv, comp, idx, sink, meta["seg"], meta["pos"],
+                                                    meta["entry_seg"], meta["entry_j"], 5, ratio, 0.1,
+                                                    meta["q_offset"])
+    assert tuple(fix.shape) == tuple(ix[:, 0].shape) and fix.dtype == torch.int32
+    import dsv4.kernels as K
+    assert K.get_op("sparse_attn", "triton+flashmla+cudnn", q.device) is op.sparse_attn_flashmla_cudnn
+
+
+def _cudnn_here():
+    why = _flashmla_here()
+    return why if why is not None else CB.load()[1]
+
+
+@pytest.mark.skipif(_cudnn_here() is not None, reason=f"FlashMLA + cuDNN: {_cudnn_here()}")
+@pytest.mark.parametrize("layout", list(GPU_LAYOUTS))
+@pytest.mark.parametrize("mode", ["window", "csa", "hca"])
+def test_gpu_flashmla_forward_cudnn_backward(mode, layout):
+    """H 64, c 512, window 128, CSA (ratio 4, top-k 512) / HCA (ratio 128), bf16: backend "triton+flashmla+cudnn"
+    vs the pure Triton path and the fp32 naive reference: output, lse and gradients (bounds as the test above)."""
+    base, mul = GPU_LAYOUTS[layout]
+    ratio, k = {"window": (4, 0), "csa": (4, 512), "hca": (128, 0)}[mode]
+    (q, kv, comp, idx, sink), meta, ratio = _case(mode, base, H=64, c=512, window=128, dtype=torch.bfloat16,
+                                                  dev="cuda", ratio=ratio, k=k, scale_lens=mul)
+    ins = [x.requires_grad_() for x in (q, kv, comp, sink) if x is not None]
+    names = [n for n, x in zip(("dq", "dkv", "dcomp", "dsink"), (q, kv, comp, sink)) if x is not None]
+    bfn, calls = _counting(CB.load()[0])
+    scale = 512 ** -0.5
+    o, lse = op.sparse_attn_flashmla_cudnn(q, kv, comp, idx, sink, 128, ratio, scale, **meta, return_lse=True,
+                                           bwd_fn=bfn)
+    o_t, lse_t = op.sparse_attn(q, kv, comp, idx, sink, 128, ratio, scale, **meta, return_lse=True)
+    do = torch.randn_like(o)
+    got = torch.autograd.grad(o, ins, do)
+    assert len(calls) == 1                                   # cuDNN's backward ran
+    tri = torch.autograd.grad(o_t, ins, do)
+    assert_close("lse vs triton", lse, lse_t, 1e-3, 1e-4)
+    assert_rel("o vs triton", o, o_t, 2e-2)
+    for n, a, b in zip(names, got, tri):
+        assert_rel(f"{n} vs triton", a, b, 1e-1 if (n == "dcomp" and mode == "csa") else 4e-2)
+    if layout == "one_doc_16k":
         return
     ref = naive.sparse_attn(q, kv, comp, idx, sink, 128, ratio, scale, **meta)
     want = torch.autograd.grad(ref, ins, do)
