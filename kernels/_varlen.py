@@ -5,7 +5,9 @@ kernels/compressor): entry n is visible to query t iff entry_seg[n] == seg_q[t] 
 entry_j[n] < (pos_q[t] + 1) // ratio. Both sequences are in stream order (documents in increasing id, positions
 and j increasing inside a document; empty entry slots / padding tokens interleaved), so the entries visible to
 a query form one index range of the entry slots, and the queries that see an entry one range of the queries;
-empty slots / padding inside a range are masked by the kernels.
+empty slots / padding inside a range are masked by the kernels. Query positions that do not increase inside a
+document still leave every query that sees an entry inside its query range (the ranges need the document order
+and, on the entry side, j increasing); `query_cores` then ends its unmasked runs where pos decreases.
 """
 from __future__ import annotations
 
@@ -62,16 +64,18 @@ def _run_end(lo: torch.Tensor, hi: torch.Tensor, nxt: torch.Tensor) -> torch.Ten
     return torch.where(lo < hi, torch.minimum(at, hi.long()), lo.long()).to(torch.int32).contiguous()
 
 
-def query_cores(seg_q, qlo, qhi):
+def query_cores(seg_q, pos_q, qlo, qhi):
     """[N] int32 qrun: the queries qlo[n]..qrun[n]-1 ALL see entry n (`query_ranges`' qlo[n] is the first query that
-    sees it; the following ones do too up to the first padding token or other document, and qhi[n] bounds them).
-    The backward's dk kernel runs query tiles inside every entry's core without any visibility mask."""
+    sees it; the following ones do too up to the first padding token, other document or decrease of pos, and
+    qhi[n] bounds them; a later query of the document with a smaller pos may not see it, so a decrease ends the
+    run and its queries fall to the masked boundary tiles). The backward's dk kernel runs query tiles inside every
+    entry's core without any visibility mask."""
     S = seg_q.shape[0]
     brk = torch.ones_like(seg_q, dtype=torch.bool)
     if S > 1:
-        brk[1:] = seg_q[1:] != seg_q[:-1]
+        brk[1:] = (seg_q[1:] != seg_q[:-1]) | (pos_q[1:] < pos_q[:-1])
     brk = brk | (seg_q < 0)
-    # nxt[t] = the first u > t that breaks t's run (a document change or padding): shift by one
+    # nxt[t] = the first u > t that breaks t's run (a document change, padding, pos decreasing): shift by one
     nxt = torch.cat([_next_break(brk, S)[1:], brk.new_full((1,), S, dtype=torch.long)]) if S else brk.long()
     return _run_end(qlo, qhi, nxt)
 

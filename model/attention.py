@@ -231,9 +231,7 @@ class DSv4Attention(nn.Module):
         selection = None
         want_loss = self.indexer is not None and self.training and mode != "off" and cfg.indexer_loss_coeff != 0
         if self.indexer is not None:
-            ic = self.indexer.compressor
-            islots = slots if (ic.ratio, ic.overlap) == (self.compressor.ratio, self.compressor.overlap) else \
-                self._slots(layout, ic, row, backend)
+            islots = self._slots(layout, self.indexer.compressor, row, backend)   # = slots (memo) if same ratio/overlap
             scores, sel, iseg, ij, feats = self.indexer(x.detach(), cq.detach(), ctx, layout, backend=backend,
                                                         dense_grad=want_loss and mode == "dense",
                                                         return_feats=True, slots=islots)         # [T, N]

@@ -238,12 +238,11 @@ class _SimRankLayout(Layout):
         self.store, self.rank, self.cp = store, rank, cp
 
     def context(self, x, halo):
-        rows = torch.arange(self.start - halo, self.end, device=x.device)
-        ok = rows >= 0
-        rc = clamp_rows(rows)
-        xs = torch.where(ok[:, None], self._h[0, rc], torch.zeros((), dtype=x.dtype, device=x.device))
-        xs = torch.cat([xs[:halo], x], dim=0)                                   # halo from the stream, then x
-        return (xs, *self.context_meta(halo))
+        # only the halo rows are gathered (the local rows are x); seg / pos / q_offset are context_meta's
+        rows = torch.arange(self.start - halo, self.start, device=x.device)    # [halo] stream rows
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        xh = torch.where((rows >= 0)[:, None], self._h[0, clamp_rows(rows)], zero)          # [halo, d]
+        return (torch.cat([xh, x], dim=0), *self.context_meta(halo))            # halo from the stream, then x
 
     def context_meta(self, halo):
         rows = torch.arange(self.start - halo, self.end, device=self._gseg.device)

@@ -72,10 +72,15 @@ class Slots(NamedTuple):
     first: int
 
 
+def check_ratio(ratio: int, fn: str) -> None:
+    """A compression ratio must be positive (`fn` names the op in the one-line error); every backend's check."""
+    if ratio <= 0:
+        raise LayoutError(f"{fn}: ratio must be positive, got {ratio}")
+
+
 def compress_slots(seg: torch.Tensor, pos: torch.Tensor, ratio: int, overlap: bool, first: int = 0) -> Slots:
     """The `Slots` of the stream seg / pos [T] (the reference of the Triton `_slot_meta` kernel)."""
-    if ratio <= 0:
-        raise LayoutError(f"compress_slots: ratio must be positive, got {ratio}")
+    check_ratio(ratio, "compress_slots")
     ends, valid, j = entry_slots(seg, pos, ratio, first)
     eseg = torch.where(valid, seg[ends], torch.full_like(ends, -1))
     r0 = torch.where(valid, ends - (ratio - 1), torch.full_like(ends, -1)).to(torch.int32)
@@ -98,8 +103,7 @@ def check_slots(slots: Slots, T: int, ratio: int, overlap: bool, first: int) -> 
 def check_args(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool,
                seg: torch.Tensor, pos: torch.Tensor) -> None:
     """The argument contract of compress_pool, shared by every backend (one-line errors)."""
-    if ratio <= 0:
-        raise LayoutError(f"compress_pool: ratio must be positive, got {ratio}")
+    check_ratio(ratio, "compress_pool")
     if kv.dim() != 2:
         raise LayoutError(f"compress_pool: kv must be [T, coff*D], got {tuple(kv.shape)}")
     T, W = kv.shape

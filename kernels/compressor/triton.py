@@ -342,8 +342,7 @@ class _CompressPool(torch.autograd.Function):
 def compress_slots(seg: torch.Tensor, pos: torch.Tensor, ratio: int, overlap: bool, first: int = 0,
                    meta=None) -> naive.Slots:
     """`naive.Slots` from the `_slot_meta` kernel (op.py passes `meta`: dsv4::compress_slots_fwd)."""
-    if ratio <= 0:
-        raise naive.LayoutError(f"compress_slots: ratio must be positive, got {ratio}")
+    naive.check_ratio(ratio, "compress_slots")
     return naive.Slots(*(meta or slot_meta)(seg, pos, ratio, overlap, first), int(ratio), bool(overlap), int(first))
 
 

@@ -107,7 +107,7 @@ def test_dense_scores_bwd_core_and_boundary_tiles(case):
         dq_cfg, dk_cfg = (kern.configs[-1].kwargs for kern in (tri._scores_bwd_dq, tri._scores_bwd_dk))
         elo, ehi = entry_ranges(*meta, ratio)
         qlo, qhi = query_ranges(*meta, ratio)
-        ecore, qcore = entry_cores(meta[2], elo, ehi), query_cores(meta[0], qlo, qhi)
+        ecore, qcore = entry_cores(meta[2], elo, ehi), query_cores(meta[0], meta[1], qlo, qhi)
         # a query block of one document sees entries from its start: no boundary tiles before its core
         assert _tile_kinds(elo, ehi, ecore, S, dq_cfg["BT"], dq_cfg["BJ"]) == \
             ({"core", "post"} if case == "one_doc" else {"pre", "core", "post"})
@@ -122,6 +122,41 @@ def test_dense_scores_bwd_core_and_boundary_tiles(case):
     want = torch.autograd.grad(ref, (q, k, w), dI)
     for n, a, b in zip(("dqI", "dkI", "dw"), got, want):
         assert_close(f"{case} {n}", a, b, 1e-5, 1e-5)
+
+
+def test_dense_scores_bwd_positions_not_increasing():
+    """The dense scoring backward == naive autograd (fp32, odd sizes) when the query positions inside a document
+    do not increase along the stream: document 0's are permuted, document 2's restart (0..99 then 0..59). The
+    entries stay those of the stream-ordered positions (the _varlen ranges' assumption: entry j increasing inside a
+    document). A core run of the dk kernel (`query_cores`) must end where pos decreases: a later query of the same
+    document with a smaller pos may not see the entry, and core tiles read dI unmasked (dI is random at the -inf
+    scores). Asserted: every core query sees its entry, and core tiles still run next to boundary ones."""
+    from dsv4.kernels._varlen import query_cores, query_ranges
+    lens, pads, ratio = [37, 5, 160, 23], [3, 0, 17, 2], 2
+    q, k, w, (seg, pos, eseg, ej) = _inputs(lens, pads, 3, 20, ratio, torch.float32, seed=11)
+    pos = pos.clone()
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    pos[:37] = torch.randperm(37, generator=gen, device=DEV)                   # document 0: permuted
+    d2 = 37 + 3 + 5                                                            # document 2's first token
+    pos[d2 + 100:d2 + 160] = torch.arange(60, device=DEV)                      # document 2: restarts at 100
+    meta = (seg, pos, eseg, ej)
+    qlo, qhi = query_ranges(*meta, ratio)
+    qcore = query_cores(seg, pos, qlo, qhi)                                    # [N]
+    vis = causal_entry_mask(*meta, ratio)                                      # [S, N]
+    t = torch.arange(seg.numel(), device=DEV)[:, None]
+    in_core = (t >= qlo[None, :].long()) & (t < qcore[None, :].long())          # [S, N]
+    assert in_core.any() and not (in_core & ~vis).any()
+    if not CUDA:
+        dk_cfg = tri._scores_bwd_dk.configs[-1].kwargs
+        assert _tile_kinds(qlo, qhi, qcore, k.shape[0], dk_cfg["BJ"], dk_cfg["BT"]) == {"pre", "core", "post"}
+    I = indexer_scores(q, k, w, ratio, *meta, backend="triton")
+    ref = indexer_scores(q, k, w, ratio, *meta, backend="naive")
+    assert torch.equal(torch.isfinite(ref), torch.isfinite(I))
+    dI = torch.randn_like(I)
+    got = torch.autograd.grad(I, (q, k, w), dI)
+    want = torch.autograd.grad(ref, (q, k, w), dI)
+    for n, a, b in zip(("dqI", "dkI", "dw"), got, want):
+        assert_close(f"pos not increasing {n}", a, b, 1e-5, 1e-5)
 
 
 @pytest.mark.skipif(not CUDA, reason="bf16 tensor-core products: GPU only (the interpreter's bf16 dot is wrong)")

@@ -77,9 +77,10 @@ def _scores_fwd(Q, K, Wt, I, SEGQ, POSQ, ESEG, EJ, ELO, EHI, S, T, NH, C, ratio,
 # Two deterministic kernels (no atomics) that recompute d. Each program takes its visible range once (the
 # _varlen ranges of its rows) and splits the loop over the other side's tiles into boundary tiles (masked with
 # `_visible`, the forward's test) and CORE tiles, inside every row's unbroken visible run (_varlen.query_cores /
-# entry_cores: no padding, no other document, no empty slot), which load dI with no mask and compute no
-# visibility at all; rows that see nothing are zeroed at the store. Programs are numbered longest first (causal
-# triangle: dq's last query blocks, dk's first entry blocks) so the long ones do not start in the last wave.
+# entry_cores: no padding, no other document, no empty slot, no decrease of pos), which load dI with no mask and
+# compute no visibility at all; rows that see nothing are zeroed at the store. Programs are numbered longest
+# first (causal triangle: dq's last query blocks, dk's first entry blocks) so the long ones do not start in the
+# last wave.
 # dq: one program per (query block, head group), u [BT, cI] in registers per head (p·kI, no w in the loop; dw
 # from u at the end). dk: one program per (entry block, head group), dkIᵀ [cI, BJ] += qIᵀ·(p w) (both MMA
 # operands from shared memory, dI tiles in their stored orientation: 16-byte copies), HH heads a query tile
@@ -317,8 +318,8 @@ def scores_bwd(dI, qI, kI, w, ratio, meta, dq_config=None, dk_config=None, dk_hp
     dk_part = torch.empty(gk, T, cI, device=kI.device, dtype=torch.float32)        # kI is contiguous
     kern, kw = (_scores_bwd_dk, {}) if dk_config is None else (_scores_bwd_dk.fn, dk_config)
     kern[lambda m: (triton.cdiv(T, m["BJ"]) * triton.cdiv(nI, hk * m["HM"]),)](
-        qI, kI, w, dI, dk_part, *meta, qlo, qhi, query_cores(meta[0], qlo, qhi), S, T, nI, cI, ratio, coef, hk,
-        *_strides(qI, kI, w, dI), BC=BC, PREC=PREC, **kw)
+        qI, kI, w, dI, dk_part, *meta, qlo, qhi, query_cores(meta[0], meta[1], qlo, qhi), S, T, nI, cI, ratio,
+        coef, hk, *_strides(qI, kI, w, dI), BC=BC, PREC=PREC, **kw)
     dk_part = dk_part[:triton.cdiv(nI, hk * (kw["HM"] if kw else tuned(_scores_bwd_dk, "HM")))]
     return dq, dk_part.sum(0).to(kI.dtype), dw
 
