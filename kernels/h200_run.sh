@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on the H200 (run from the repo root): the kernel tests at DSv4 shapes, then
-# `dsv4 bench kernels`, logs and JSON under $OUT (copied to goldens/h200/<slice>/ afterwards).
+# `dsv4 bench kernels` (SKIP_BENCH=1: tests only), logs and JSON under $OUT (copied to goldens/h200/<slice>/ afterwards).
 # The checkout is not pip-installed there: a shim package dir maps dsv4.* onto the folders. Set DSV4_GIT_SHA=<sha>
 # (the device copy's .git need not be the commit sent: at 8361be7 it reported debb304).
 set -u
@@ -20,6 +20,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     echo "$t: $(tail -1 "$OUT/pytest_gpu.log")"
   done
 fi
+[ "${SKIP_BENCH:-0}" = 1 ] && exit 0
 timeout ${BENCH_TIMEOUT:-420} python3 -c "from dsv4.harness.bench import bench_cmd; bench_cmd()" \
   --isolate --out "$OUT/bench_kernels.json" --out-dir "$OUT" ${BENCH_ARGS:-} 2> "$OUT/bench.log"
 echo "bench rc=$?"; grep -v '^ *$' "$OUT/bench.log" | cut -c1-400 | tail -40
