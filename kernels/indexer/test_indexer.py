@@ -88,6 +88,19 @@ def _tile_kinds(lo, hi, core_hi, n_rows, BR, B):
     return kinds
 
 
+def _dense_bwd_equals_naive(q, k, w, ratio, meta, label):
+    """Dense scores of the Triton kernels == naive (same -inf pattern), and their gradients for a random dI (nonzero
+    at the -inf scores too: the backward must drop those) == naive autograd, fp32 (summation order only: 1e-5)."""
+    I = indexer_scores(q, k, w, ratio, *meta, backend="triton")
+    ref = indexer_scores(q, k, w, ratio, *meta, backend="naive")
+    assert torch.equal(torch.isfinite(ref), torch.isfinite(I))
+    dI = torch.randn_like(I)
+    got = torch.autograd.grad(I, (q, k, w), dI)
+    want = torch.autograd.grad(ref, (q, k, w), dI)
+    for n, a, b in zip(("dqI", "dkI", "dw"), got, want):
+        assert_close(f"{label} {n}", a, b, 1e-5, 1e-5)
+
+
 @pytest.mark.parametrize("case", ["one_doc", "packed", "holes"])
 def test_dense_scores_bwd_core_and_boundary_tiles(case):
     """The dense scoring backward (the dense warm-up's KL path) == naive autograd, fp32, at sizes where the
@@ -114,14 +127,7 @@ def test_dense_scores_bwd_core_and_boundary_tiles(case):
         assert _tile_kinds(qlo, qhi, qcore, T, dk_cfg["BJ"], dk_cfg["BT"]) == {"pre", "core", "post"}
         if case == "holes":                               # cores that a hole ends inside the visible range
             assert ((ecore < ehi) & (elo < ehi)).any() and ((qcore < qhi) & (qlo < qhi)).any()
-    I = indexer_scores(q, k, w, ratio, *meta, backend="triton")
-    ref = indexer_scores(q, k, w, ratio, *meta, backend="naive")
-    assert torch.equal(torch.isfinite(ref), torch.isfinite(I))
-    dI = torch.randn_like(I)
-    got = torch.autograd.grad(I, (q, k, w), dI)
-    want = torch.autograd.grad(ref, (q, k, w), dI)
-    for n, a, b in zip(("dqI", "dkI", "dw"), got, want):
-        assert_close(f"{case} {n}", a, b, 1e-5, 1e-5)
+    _dense_bwd_equals_naive(q, k, w, ratio, meta, case)
 
 
 def test_dense_scores_bwd_positions_not_increasing():
@@ -149,14 +155,7 @@ def test_dense_scores_bwd_positions_not_increasing():
     if not CUDA:
         dk_cfg = tri._scores_bwd_dk.configs[-1].kwargs
         assert _tile_kinds(qlo, qhi, qcore, k.shape[0], dk_cfg["BJ"], dk_cfg["BT"]) == {"pre", "core", "post"}
-    I = indexer_scores(q, k, w, ratio, *meta, backend="triton")
-    ref = indexer_scores(q, k, w, ratio, *meta, backend="naive")
-    assert torch.equal(torch.isfinite(ref), torch.isfinite(I))
-    dI = torch.randn_like(I)
-    got = torch.autograd.grad(I, (q, k, w), dI)
-    want = torch.autograd.grad(ref, (q, k, w), dI)
-    for n, a, b in zip(("dqI", "dkI", "dw"), got, want):
-        assert_close(f"pos not increasing {n}", a, b, 1e-5, 1e-5)
+    _dense_bwd_equals_naive(q, k, w, ratio, meta, "pos not increasing")
 
 
 @pytest.mark.skipif(not CUDA, reason="bf16 tensor-core products: GPU only (the interpreter's bf16 dot is wrong)")
