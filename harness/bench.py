@@ -365,8 +365,8 @@ def _bench_indexer(seqs, log):
 
 
 def _bench_topk(log, R=4096, k=512):
-    """The radix-select top-k (kernels/indexer/topk.py, the Triton backend's) vs naive's full stable sort (the
-    backend's top-k until 2026-12-03) on one [R, N] fp32 chunk of scores, N entries = a 4N-token sequence: the chunk's
+    """The row-on-registers top-k (kernels/indexer/topk.py `row_topk`, the Triton backend's for N <= ROW_MAX_N since
+    2026-12-04) and the radix select (the backend's above) vs naive's full stable sort on one [R, N] fp32 chunk of scores, N entries = a 4N-token sequence: the chunk's
     rows at its end ("tail": all but the last <= 1K entries visible) and at its middle ("mid": the second half
     -inf), randn scores."""
     import torch
@@ -381,11 +381,17 @@ def _bench_topk(log, R=4096, k=512):
                                                             float("-inf"))
             row = {"N": N, "rows": R, "k": k, "rows_at": where}
             try:
-                row["radix_ms"] = _ms(lambda: tk.indexer_topk(I, k))
+                row["radix_ms"] = _ms(lambda: tk.radix_topk(I, k))
+                if N <= tk.ROW_MAX_N:
+                    row["row_ms"] = _ms(lambda: tk.row_topk(I, k))
+                    row["row_equal_naive"] = bool(torch.equal(tk.row_topk(I, k), naive.indexer_topk(I, k)))
+                    row["row_config"] = str(tk._row_topk_tuned.best_config)
                 row["sort_ms"] = _ms(lambda: naive.indexer_topk(I, k))
                 row["speedup_vs_sort"] = row["sort_ms"] / row["radix_ms"]
+                if "row_ms" in row:
+                    row["row_speedup_vs_sort"] = row["sort_ms"] / row["row_ms"]
                 row["radix_read_tbps_5_passes"] = 5 * I.numel() * 4 / row["radix_ms"] * 1e-9
-                row["equal_naive"] = bool(torch.equal(tk.indexer_topk(I, k), naive.indexer_topk(I, k)))
+                row["equal_naive"] = bool(torch.equal(tk.radix_topk(I, k), naive.indexer_topk(I, k)))
                 row["config"] = str(tk._radix_topk_tuned.best_config)
             except Exception as e:  # noqa: BLE001
                 row.update(_err(repr(e)))

@@ -123,7 +123,7 @@ def indexer_scores_listed(qI: Tensor, kI: Tensor, w: Tensor, idx: Tensor) -> Ten
 
 # ------------------------------------------------------------------ top-k (no autograd: indices)
 def _indexer_topk(I: Tensor, k: int) -> Tensor:
-    return TK.indexer_topk(I, k, sort_max_n=TK.SORT_MAX_N)
+    return TK.indexer_topk(I, k, sort_max_n=TK.SORT_MAX_N, row_max_n=TK.ROW_MAX_N)
 
 
 indexer_topk_op = torch.library.custom_op("dsv4::indexer_topk", mutates_args=())(_indexer_topk)
@@ -135,8 +135,8 @@ def _(I, k):
 
 
 def indexer_topk(I: Tensor, k: int) -> Tensor:
-    """I [..., N] -> idx [..., min(k, N)] long == `naive.indexer_topk`: by radix select (topk.py) for rows of more
-    than topk.SORT_MAX_N entries, else naive's sort, per chunk of rows; the custom op while traced, the body
+    """I [..., N] -> idx [..., min(k, N)] long == `naive.indexer_topk`: rows of up to topk.ROW_MAX_N entries
+    on registers (topk.row_topk), longer ones by radix select per chunk of rows (topk.py); the custom op while traced, the body
     directly in eager."""
     if k < 1:
         raise ValueError(f"indexer_topk: k must be >= 1, got {k}")

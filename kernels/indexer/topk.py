@@ -42,6 +42,7 @@ import triton.language as tl
 from dsv4.kernels._triton_util import configs
 
 NINF_KEY = tl.constexpr(0x007FFFFF)                     # the order key of -inf
+SNINF_KEY = tl.constexpr(0x007FFFFF - 0x80000000)       # the same, sign bit flipped, as a signed int32
 
 # H200 at a4eb668 (4 configs, the first 4 below): BLOCK 2048 / BITS 8 / 8 warps won at N = 4K, 16K and 32K
 _CONFIGS = configs(gpu=[dict(BLOCK=2048, BITS=8, num_warps=8), dict(BLOCK=4096, BITS=8, num_warps=8),
@@ -145,18 +146,88 @@ def radix_topk(I: torch.Tensor, k: int, cfg: dict | None = None) -> torch.Tensor
     return idx.masked_fill_(key == NINF_KEY.value, -1)
 
 
-# The Triton backend's choice (kernels/indexer/op.py, triton.indexer_select): rows of <= SORT_MAX_N entries take
-# naive's stable sort (H200 at a4eb668, [4096, N] fp32, k = 512: N = 4K sort 0.57 ms vs radix 0.61; N = 16K 4.9 vs
-# 1.9; 32K 9.7 vs 3.6; `dsv4 bench kernels --only indexer`, topk_rows). Same result either way (test_topk.py).
-SORT_MAX_N = 4096
+# ------------------------------------------------------------------ one row in registers (rows of <= ROW_MAX_N)
+# For rows that fit one tile (the indexer's rows up to 64K tokens: N = S / 4 <= 16384), the row is read once and
+# everything happens on registers: no select passes over memory, no [R, k] key buffer, no PyTorch sort after.
+#   1. t = the kk-th largest order key, bit by bit from the top: the largest t with #(key >= t) >= kk
+#      (32 compare-and-count reductions over the row in registers). Entries past N have key 0, below every score.
+#   2. picks: keys > t, then the first `need` keys == t in index order (tl.cumsum), as before; with fewer than kk
+#      finite entries t is the -inf key and the first -inf entries fill the row, as in the stable sort.
+#   3. order: each pick as one int64 c = (signed key << 32) | (2^31 - 1 - index) -- unique, and c's descending
+#      order is the stable sort's (higher key first, then lower index); the kk picks are stored compacted to the
+#      output row, read back as one [KP] vector (after a CTA barrier), sorted on registers (`tl.sort`, bitonic),
+#      decoded (index, -1 for -inf picks) and stored over the same row.
+_ROW_CONFIGS = configs(gpu=[dict(num_warps=4), dict(num_warps=8), dict(num_warps=16)], cpu=dict(num_warps=1))
+ROW_MAX_N = 16384                                     # 16K fp32 keys a program: 32 a thread at 16 warps
 
 
-def indexer_topk(I: torch.Tensor, k: int, chunk: int = 4096, sort_max_n: int = 0) -> torch.Tensor:
+@triton.jit
+def _row_topk(I, OUT, N, kk, si, so, BLOCK: tl.constexpr, KP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    key, _ = _keys(I + row * si, offs, N)                                      # [BLOCK] uint32, 0 past N
+    t = tl.zeros([], tl.uint32)                                                 # 1. the kk-th largest key
+    for b in tl.static_range(31, -1, -1):
+        cand = t | tl.full([], 1 << b, tl.uint32)
+        t = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= kk, cand, t)
+    gt = key > t                                                                # 2. the picks
+    eq = key == t
+    need = kk - tl.sum(gt.to(tl.int32), 0)
+    keep = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need))
+    pos = tl.cumsum(keep.to(tl.int32), 0) - 1
+    skey = (key ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)          # 3. order: c, unique
+    c = (skey << 32) | (0x7FFFFFFF - offs).to(tl.int64)
+    dst = OUT + row * so
+    tl.store(dst + pos, c, mask=keep)
+    tl.debug_barrier()                                                          # the row's stores -> its loads
+    ks = tl.arange(0, KP)
+    c = tl.load(dst + ks, mask=ks < kk, other=-9223372036854775807 - 1, cache_modifier=".cg")
+    c = tl.sort(c, descending=True)                                             # [KP] the picks in order
+    tl.debug_barrier()                                                          # every load before the stores
+    idx = 0x7FFFFFFF - (c & 0xFFFFFFFF)
+    ninf = (c >> 32) == SNINF_KEY                                              # (arithmetic shift)
+    tl.store(dst + ks, tl.where(ninf, -1, idx), mask=ks < kk)
+
+
+_row_topk_tuned = triton.autotune(**_ROW_CONFIGS, key=["BLOCK", "KP"])(_row_topk)
+
+
+def row_topk(I: torch.Tensor, k: int, cfg: dict | None = None) -> torch.Tensor:
+    """I [R, N] fp32 / bf16 / fp16, N <= ROW_MAX_N (CUDA, or CPU under TRITON_INTERPRET=1) -> idx [R, min(k, N)]
+    long == `naive.indexer_topk`, one program a row with the row on registers. `cfg` = dict(num_warps=) bypasses
+    the autotuner (tests)."""
+    if I.dtype not in (torch.float32, torch.bfloat16, torch.float16) or I.dim() != 2:
+        raise ValueError(f"row_topk: I must be a 2-D fp32 / bf16 / fp16 tensor, got {I.dtype} {tuple(I.shape)}")
+    R, N = I.shape
+    if N > ROW_MAX_N:
+        raise ValueError(f"row_topk: rows of at most {ROW_MAX_N} entries, got {N}")
+    I = I.detach()
+    if I.stride(-1) != 1:
+        I = I.contiguous()
+    kk = min(k, N)
+    idx = torch.empty(R, kk, dtype=torch.long, device=I.device)
+    if R == 0 or kk == 0:
+        return idx
+    BLOCK, KP = triton.next_power_of_2(N), triton.next_power_of_2(kk)
+    kern = _row_topk_tuned if cfg is None else _row_topk
+    kern[(R,)](I, idx, N, kk, I.stride(0), kk, BLOCK=BLOCK, KP=KP, **(cfg or {}))
+    return idx
+
+
+# The Triton backend's choice (kernels/indexer/op.py, triton.indexer_select): rows of <= ROW_MAX_N entries take
+# `row_topk`, longer rows the radix select. Until 2026-12-04 rows of <= 4096 entries took naive's stable sort (H200
+# at a4eb668, [4096, N] fp32, k = 512: N = 4K sort 0.57 ms vs radix 0.61; N = 16K 4.9 vs 1.9; 32K 9.7 vs 3.6;
+# `dsv4 bench kernels --only indexer`, topk_rows, which times all three). Same result every way (test_topk.py).
+SORT_MAX_N = 0
+
+
+def indexer_topk(I: torch.Tensor, k: int, chunk: int = 4096, sort_max_n: int = 0, row_max_n: int = 0) -> torch.Tensor:
     """I [..., N] -> idx [..., min(k, N)] long == `naive.indexer_topk` (ties lower index first, -1 = -inf pick,
-    NaN above +inf), per chunk of rows (bounding the [chunk, k] buffers, or the sort's workspace): by
-    `radix_topk`, or by naive's sort when N <= `sort_max_n` (the backend passes SORT_MAX_N). fp32 / bf16 / fp16
-    scores (the last two widened exactly in the kernel, no fp32 copy); fp64 rows take naive's sort (a cast to
-    fp32 could merge distinct scores)."""
+    NaN above +inf): rows of N <= `row_max_n` entries by `row_topk` (all rows in one launch, the row on registers),
+    else per chunk of rows (bounding the [chunk, k] buffers, or the sort's workspace) by naive's sort when
+    N <= `sort_max_n`, else by `radix_topk`. The backend passes ROW_MAX_N / SORT_MAX_N. fp32 / bf16 / fp16 scores
+    (the last two widened exactly in the kernel, no fp32 copy); fp64 rows take naive's sort (a cast to fp32 could
+    merge distinct scores)."""
     from dsv4.kernels.indexer import naive
     if k < 1:
         raise ValueError(f"indexer_topk: k must be >= 1, got {k}")
@@ -167,5 +238,7 @@ def indexer_topk(I: torch.Tensor, k: int, chunk: int = 4096, sort_max_n: int = 0
     I = I.detach().reshape(-1, N)                                              # [rows, N]
     if kk == 0 or I.shape[0] == 0:
         return torch.empty(*lead, kk, dtype=torch.long, device=I.device)
+    if N <= min(row_max_n, ROW_MAX_N):
+        return row_topk(I, kk).view(*lead, kk)
     top = naive.indexer_topk if N <= sort_max_n else radix_topk
     return torch.cat([top(I[s:s + chunk], kk) for s in range(0, I.shape[0], chunk)], 0).view(*lead, kk)

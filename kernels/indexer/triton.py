@@ -365,7 +365,8 @@ def indexer_select(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: i
         for s0 in range(0, S, chunk):
             meta = _meta(seg_q[s0:s0 + chunk], pos_q[s0:s0 + chunk], entry_seg, entry_j)
             outs.append(topk.indexer_topk(_launch_fwd(qI[s0:s0 + chunk], kI, w[s0:s0 + chunk], ratio, meta), k,
-                                          chunk, sort_max_n=topk.SORT_MAX_N))
+                                          chunk, sort_max_n=topk.SORT_MAX_N,
+                                          row_max_n=topk.ROW_MAX_N))
     return torch.cat(outs, 0)
 
 
