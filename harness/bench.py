@@ -12,9 +12,11 @@ Per op (shapes = DSv4-Flash where the op has them; B = 1):
                kernels/sparse_attn/flashmla.py) fwd / bwd / fwd+bwd on the same inputs, else why it falls back;
                the `flashmla_cudnn_*` columns: backend "triton+flashmla+cudnn" (the same forward + NVIDIA
                cudnn-frontend's SM90 DSA backward, kernels/sparse_attn/cudnn_bwd.py), same inputs, else why not.
-  indexer      nI=64, cI=128, ratio 4: scoring fwd/bwd TFLOP/s over causal (t, j) pairs; top-k k=512; and
-               `topk_rows`: the radix-select top-k (kernels/indexer/topk.py) vs naive's sort on [4096, N] score
-               chunks, N = 4K / 16K / 32K.
+  indexer      nI=64, cI=128, ratio 4: scoring fwd/bwd TFLOP/s over causal (t, j) pairs; top-k k=512; the
+               `cudnn_*` columns: backend "triton+cudnn" (NVIDIA cudnn-frontend's SM90 indexer forward, bf16 and
+               FP8 E4M3 on the indexer's FP8 features; kernels/indexer/cudnn_fwd.py) on the same inputs, else why
+               not; and `topk_rows`: the radix-select top-k (kernels/indexer/topk.py) vs naive's sort on [4096, N]
+               score chunks, N = 4K / 16K / 32K.
   compressor   CSA D=512 (overlap) / indexer D=128 (overlap) / HCA D=512 (ratio 128) at T in --tokens, bf16,
                packed API with the slot metadata precomputed (`compress_slots`, layout metadata like cu_seqlens:
                the model computes it once per layout and ratio, Layout.compress_slots): fwd / bwd time the
@@ -350,6 +352,7 @@ def _bench_indexer(seqs, log):
                 row["select_tflops"] = fl / row["select_chunked_ms"] * 1e-9        # scoring + top-k (issue 14)
         except Exception as e:  # noqa: BLE001
             row["triton"] = _err(repr(e))
+        row.update(_cudnn_indexer_cols(q, kk, w, ratio, meta, k, row))
         if S <= 4096:
             try:
                 nf, nb = _fwd_bwd(lambda: indexer_scores(q, kk, w, ratio, *meta), [q, kk, w], rep=30)
@@ -362,6 +365,59 @@ def _bench_indexer(seqs, log):
         torch.cuda.empty_cache()
     return {"rows": rows, "topk_rows": _bench_topk(log),
             "targets": {"fwd_tflops_bf16": 400, "select_tflops_bf16": 450}}
+
+
+def _cudnn_indexer_cols(q, kk, w, ratio, meta, k, row, fn=None, capability=None) -> dict:
+    """Backend "triton+cudnn" (kernels/indexer/cudnn_fwd.py) beside ours on this row's inputs, per precision p in
+    bf16 / fp8 (fp8: the indexer's FP8 features of the same inputs, kernels/indexer/fp4.py qk_fake_quant):
+    `cudnn_{p}_fwd_ms` the whole backend call (offset, cuDNN, our mask; fp8 also the e4m3 split), `cudnn_{p}_kernel_ms`
+    cuDNN's call alone on the prepared arguments, TFLOP/s of both over the causal pairs, the max |diff| vs the Triton
+    scores of the same features, `cudnn_{p}_select_ms` (its scores + our top-k), `ours_fwd_over_cudnn_bf16` (> 1:
+    ours slower); `cudnn_fp8_topk_recall_vs_bf16` (queries with >= k visible entries); else {"cudnn": reason}."""
+    import torch
+
+    from dsv4.kernels.indexer import cudnn_fwd as CF
+    from dsv4.kernels.indexer import indexer_topk, naive, op
+    from dsv4.kernels.indexer.fp4 import qk_fake_quant, topk_recall
+    fn = CF.load()[0] if fn is None else fn
+    cap = CF.capability(q) if capability is None else capability
+    why = CF.unqualified(q, kk, w, "bf16", fn, cap)
+    if why is not None:
+        return {"cudnn": {"skipped": why}}
+    fl, out, picks = 2.0 * q.shape[1] * q.shape[2] * row["causal_pairs"], {}, {}
+    try:
+        with torch.no_grad():
+            for p in ("bf16", "fp8"):
+                qi, ki = (q, kk) if p == "bf16" else (qk_fake_quant(q, "fp8"), qk_fake_quant(kk, "fp8"))
+                call = lambda: op.indexer_scores_cudnn(qi, ki, w, ratio, *meta, p, fwd_fn=fn, capability=cap)
+                ms = _ms(call)
+                mask = naive.causal_entry_mask(*meta, ratio)
+                off, wf = CF.causal_offset(mask, ratio), w.float() * (q.shape[1] * q.shape[2]) ** -0.5
+                if p == "bf16":
+                    args = (qi[None], ki[None, :, None], wf[None].contiguous())
+                    kw = dict(ratio=ratio, sm_scale=1.0, q_causal_offsets=off, precision="bf16")
+                else:
+                    (q8, qs), (k8, ks) = CF.fp8_split(qi), CF.fp8_split(ki)
+                    args = (q8[None], k8[None, :, None], (wf * qs)[None].contiguous())
+                    kw = dict(ratio=ratio, sm_scale=1.0, q_causal_offsets=off, precision="fp8",
+                              q_scale=qs[None].contiguous(), k_scale=ks[None, :, None])
+                kms = _ms(lambda: fn(*args, **kw))
+                I, tri = call(), op.indexer_scores(qi, ki, w, ratio, *meta)
+                fin = torch.isfinite(tri)
+                out.update({f"cudnn_{p}_fwd_ms": ms, f"cudnn_{p}_fwd_tflops": fl / ms * 1e-9,
+                            f"cudnn_{p}_kernel_ms": kms, f"cudnn_{p}_kernel_tflops": fl / kms * 1e-9,
+                            f"cudnn_{p}_max_abs_diff_vs_triton": (I[fin] - tri[fin]).abs().max().item(),
+                            f"cudnn_{p}_mask_equal": bool(torch.equal(torch.isfinite(I), fin)),
+                            f"cudnn_{p}_select_ms": _ms(lambda: indexer_topk(call(), k, backend="triton"), rep=30)})
+                picks[p] = I if p == "bf16" else I.bfloat16()
+                del I, tri, mask
+            if "fwd_ms" in row:
+                out["ours_fwd_over_cudnn_bf16"] = row["fwd_ms"] / out["cudnn_bf16_fwd_ms"]
+            out["cudnn_fp8_topk_recall_vs_bf16"] = topk_recall(picks["fp8"].cpu(), picks["bf16"].cpu(), k,
+                                                               min_visible=k)
+    except Exception as e:  # noqa: BLE001
+        out["cudnn"] = _err(repr(e))
+    return out
 
 
 def _bench_topk(log, R=4096, k=512):

@@ -15,6 +15,9 @@ A fourth, "triton+flashmla+cudnn", pairs FlashMLA's forward with NVIDIA cudnn-fr
 (kernels/sparse_attn/cudnn_bwd.py; installed at run time, never vendored), falling back to "triton+flashmla".
 Both are chosen per attention layer (`DSv4Model.set_attn_fwd("flashmla" | "flashmla+cudnn")`), never by
 `set_kernel_backend`.
+Op `indexer_scores` has one too: "triton+cudnn" = NVIDIA cudnn-frontend's SM90 DSA indexer forward (bf16 or FP8 E4M3)
++ our Triton backward, falling back to "triton" (kernels/indexer/cudnn_fwd.py); chosen per indexer
+(`DSv4Model.set_indexer_fwd("cudnn")`); the top-k stays ours.
 
 Which Triton config / precision a launch uses is decided at call time from the tensors' device (CPU tensors
 run on Triton's interpreter: small blocks, exact fp32 products; `_triton_util.on_cpu`), never at import time.
@@ -35,7 +38,8 @@ OPS: dict[str, dict[str, str]] = {
     "sparse_attn_entry_probs": {"naive": "sparse_attn.naive:entry_probs", "triton": "sparse_attn.op:entry_probs"},
     "compress_pool": {"naive": "compressor.naive:compress_pool", "triton": "compressor.op:compress_pool"},
     "compress_slots": {"naive": "compressor.naive:compress_slots", "triton": "compressor.op:compress_slots"},
-    "indexer_scores": {"naive": "indexer.naive:indexer_scores", "triton": "indexer.op:indexer_scores"},
+    "indexer_scores": {"naive": "indexer.naive:indexer_scores", "triton": "indexer.op:indexer_scores",
+                       "triton+cudnn": "indexer.op:indexer_scores_cudnn"},
     "indexer_scores_listed": {"naive": "indexer.naive:indexer_scores_listed", "triton": "indexer.op:indexer_scores_listed"},
     "indexer_topk": {"naive": "indexer.naive:indexer_topk", "triton": "indexer.op:indexer_topk"},
     "sinkhorn": {"naive": "mhc.naive:sinkhorn", "triton": "mhc.naive:sinkhorn"},
@@ -78,6 +82,9 @@ def _resolve(name: str, backend: str):
     if backend == "triton+flashmla+cudnn":           # and cudnn-frontend's import
         from dsv4.kernels.sparse_attn import cudnn_bwd
         cudnn_bwd.prepare()
+    if backend == "triton+cudnn":                    # cudnn-frontend's indexer forward import, the capability
+        from dsv4.kernels.indexer import cudnn_fwd
+        cudnn_fwd.prepare()
     return _RESOLVED[(name, backend)]
 
 

@@ -31,6 +31,13 @@ def _cudnn_ready() -> bool:
     return _flashmla_ready() and cudnn_bwd.load()[0] is not None
 
 
+def _cudnn_indexer_ready() -> bool:
+    """cudnn-frontend's SM90 indexer forward can run here (CUDA SM90, importable): only then is its op checked."""
+    from dsv4.kernels.indexer import cudnn_fwd
+    return CUDA and cudnn_fwd.load()[0] is not None and \
+        cudnn_fwd.capability(torch.empty(0, device="cuda")) in cudnn_fwd.ARCHS
+
+
 def _cases():
     torch.manual_seed(0)
     S, B, H, c, ratio = 9, 1, 2, 16, 4
@@ -57,6 +64,13 @@ def _cases():
     ends, eseg, ej, r0, hp = torch.ops.dsv4.compress_slots_fwd(cseg, cpos, 2, True, 0)
     yield "compress_pool_fwd", (_r(12, 2 * c), _r(12, 2 * c), _r(2, 2 * c), r0, hp, cpos, 2, True, 0)
     yield "indexer_scores_fwd", (_r(S, 2, c), _r(S // ratio, c), _r(S, 2), ratio, seg, pos, eseg, ej)
+    if _cudnn_indexer_ready():  # backend "triton+cudnn": cuDNN's indexer forward needs nI 16/32/64, cI 128, SM90
+        from dsv4.kernels.indexer.fp4 import qk_fake_quant
+        bf = torch.bfloat16
+        yield "indexer_scores_cudnn_fwd", (_r(S, 32, 128, dtype=bf), _r(S // ratio, 128, dtype=bf), _r(S, 32), ratio,
+                                           seg, pos, eseg, ej, "bf16")
+        qq, kq = (qk_fake_quant(x, "fp8").detach().requires_grad_() for x in (_r(S, 64, 128), _r(S // ratio, 128)))
+        yield "indexer_scores_cudnn_fwd", (qq, kq, _r(S, 64), ratio, seg, pos, eseg, ej, "fp8")
     yield "indexer_scores_listed_fwd", (_r(S, 2, c), _r(S // ratio, c), _r(S, 2), idx)
     scores = _r(S, 7, grad=False).masked_fill(torch.arange(7, device=DEV) > torch.arange(S, device=DEV)[:, None],
                                              float("-inf"))
@@ -86,7 +100,8 @@ def test_opcheck_every_triton_custom_op():
         seen.add(name)
         torch.library.opcheck(getattr(torch.ops.dsv4, name).default, args)
     gpu_only = (set() if _flashmla_ready() else {"sparse_attn_flashmla_fwd"}) | (   # FlashMLA: SM90 + flash_mla only
-        set() if _cudnn_ready() else {"sparse_attn_fmla_cudnn_fwd"})                # and cudnn-frontend
+        set() if _cudnn_ready() else {"sparse_attn_fmla_cudnn_fwd"}) | (              # and cudnn-frontend
+        set() if _cudnn_indexer_ready() else {"indexer_scores_cudnn_fwd"})          # its indexer forward
     assert seen >= {n for n in dir(torch.ops.dsv4) if n.endswith("_fwd")} - gpu_only | {"rope_rows", "ce_lse",
                                                                                          "ce_dlogits", "indexer_topk"}
 

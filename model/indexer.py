@@ -11,6 +11,9 @@ Scores (kernel op `indexer_scores`, fp32), on a packed token stream (model/layou
 Top-k (`indexer_topk`): the min(k, N) best entries, ties -> lower index first, -1 for not visible picks.
 QK precision (`qk_precision`, set from outside by the precision recipe, model/lowp/recipe.py): "bf16" (the
 scores above), "fp8" or "fp4" (Hadamard-rotated qI, KI fake-quantised, BF16 scores; kernels/indexer/fp4.py).
+Scoring forward on the "triton" backend (`scores_fwd`, DSv4Model.set_indexer_fwd): "triton" (default) | "cudnn"
+(NVIDIA cudnn-frontend's SM90 indexer forward, bf16 or at qk_precision "fp8" FP8 E4M3, + our Triton backward where
+the call qualifies, the Triton forward elsewhere; kernels/indexer/cudnn_fwd.py). The top-k is ours either way.
 
 The indexer is fed DETACHED inputs (h, cQ): top-k is a hard selection, so the LM loss never reaches the indexer,
 and the indexer loss never reaches the main model -- the indexer is trained only by `indexer_kl_loss`.
@@ -30,6 +33,10 @@ from .config import DSv4Config
 from .rope import RotaryTable
 
 
+# Indexer.scores_fwd (DSv4Model.set_indexer_fwd) -> the scoring's kernel backend on the "triton" backend
+INDEXER_FWDS = {"triton": "triton", "cudnn": "triton+cudnn"}
+
+
 class Indexer(nn.Module):
     def __init__(self, cfg: DSv4Config, rope: RotaryTable):
         super().__init__()
@@ -41,6 +48,7 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
         self.rope = rope
         self.qk_precision = "bf16"            # "bf16" | "fp8" | "fp4" (kernels/indexer/fp4.py QK_PRECISIONS)
+        self.scores_fwd = "triton"            # "triton" | "cudnn" (INDEXER_FWDS; no effect on the "naive" backend)
 
     def forward(self, x: torch.Tensor, cq: torch.Tensor, ctx, layout, backend: str = "naive",
                 dense_grad: bool = True, return_feats: bool = False, slots=None):
@@ -61,12 +69,16 @@ class Indexer(nn.Module):
         quant = self.qk_precision != "bf16"
         if quant:                                   # rotated + fake-quantised features (straight through)
             q, kI = qk_fake_quant(q, self.qk_precision), qk_fake_quant(kI, self.qk_precision)
+        sb = INDEXER_FWDS[self.scores_fwd] if backend == "triton" else backend      # the scoring's backend
         with torch.set_grad_enabled(dense_grad and torch.is_grad_enabled()):
-            scores = (quantised_scores(q, kI, w, self.ratio, seg[q0:], pos[q0:], eseg, ej, backend) if quant else
-                      indexer_scores(q, kI, w, self.ratio, seg[q0:], pos[q0:], eseg, ej, backend=backend))
+            scores = (quantised_scores(q, kI, w, self.ratio, seg[q0:], pos[q0:], eseg, ej, sb, self.qk_precision)
+                      if quant else indexer_scores(q, kI, w, self.ratio, seg[q0:], pos[q0:], eseg, ej, backend=sb))
         idx = indexer_topk(scores, self.topk, backend=backend)                      # [Tq, N] fp32 | bf16 -> [Tq, k]
         feats = (q, kI, w, quant)
         return (scores, idx, eseg, ej, feats) if return_feats else (scores, idx, eseg, ej)
+
+    def extra_repr(self) -> str:
+        return f"scores_fwd={self.scores_fwd}" if self.scores_fwd != "triton" else ""
 
     @staticmethod
     def listed_scores(feats, idx: torch.Tensor, backend: str = "naive") -> torch.Tensor:

@@ -27,6 +27,7 @@ from torch import nn
 from dsv4.model.attention import ATTN_FWDS, DSv4Attention
 from dsv4.model.block import Block
 from dsv4.model.config import ConfigError, DSv4Config
+from dsv4.model.indexer import INDEXER_FWDS, Indexer
 from dsv4.model.layout import Layout, LayoutError
 from dsv4.model.losses import AuxLosses, acc, assemble_losses
 from dsv4.model.mhc import expand_streams, hc_head, mhc_parameters
@@ -182,6 +183,20 @@ class DSv4Model(nn.Module):
         for m in self.modules():
             if isinstance(m, DSv4Attention):
                 m.attn_fwd = mode
+        return self
+
+    def set_indexer_fwd(self, mode: str) -> "DSv4Model":
+        """The indexer's scoring forward on the "triton" kernel backend, every indexer: "triton" (default) | "cudnn"
+        (NVIDIA cudnn-frontend's SM90 DSA indexer forward, bf16 or FP8 E4M3 at qk_precision "fp8", + our Triton
+        backward wherever the call qualifies -- importable, SM90, cI 128, nI 16/32/64 --, the Triton forward
+        elsewhere; kernels/indexer/cudnn_fwd.py). Resolved now (the import), before any torch.compile trace."""
+        if mode not in INDEXER_FWDS:
+            raise ValueError(f"set_indexer_fwd: unknown mode {mode!r}; known: {', '.join(INDEXER_FWDS)}")
+        if mode != "triton":
+            kernels.get_op("indexer_scores", INDEXER_FWDS[mode])
+        for m in self.modules():
+            if isinstance(m, Indexer):
+                m.scores_fwd = mode
         return self
 
     def set_expert_gemm(self, mode: str) -> "DSv4Model":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # NVIDIA cudnn-frontend's DSA backward on the H200, for backend "triton+flashmla+cudnn" (kernels/sparse_attn/cudnn_bwd.py,
-# issue 14). Nothing of it is committed: its wheels travel in ignored folders, carried into device calls.
+# issue 14), and its SM90 indexer forward for the indexer's backend "triton+cudnn" (kernels/indexer/cudnn_fwd.py; the
+# same wheels). Nothing of it is committed: its wheels travel in ignored folders, carried into device calls.
 # The packages: nvidia-cudnn-frontend 1.32.0 (CuTe DSL kernels), nvidia-cutlass-dsl 4.8.1 with its libs-core / -base /
 # -cu13 (the cu13 one holds the 193 MB MLIR library: 92 MB as a wheel, 61 MiB as xz), apache-tvm-ffi. One call carries
 # 64 MiB with the repo, so they travel in two calls to the same warm machine:
@@ -38,6 +39,6 @@ install)
   sp=$(python3 -c 'import site; print(site.getsitepackages()[0])')
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .cudnn2/*.whl
   tar xJf /tmp/cu13.tar.xz -C "$sp"
-  python3 -c 'import cudnn, cutlass; from cudnn.deepseek_sparse_attention.sparse_attention_backward.api import sparse_attention_backward_wrapper; print("cudnn-frontend", cudnn.__version__, "cutlass-dsl ok")' ;;
+  python3 -c 'import cudnn, cutlass; from cudnn.deepseek_sparse_attention.sparse_attention_backward.api import sparse_attention_backward_wrapper; from cudnn.deepseek_sparse_attention.indexer_forward import indexer_forward_wrapper; print("cudnn-frontend", cudnn.__version__, "cutlass-dsl ok")' ;;
 *) echo "cudnn_h200.sh: unknown step '$what' (pack | stage | install)" >&2; exit 2 ;;
 esac

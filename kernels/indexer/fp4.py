@@ -99,15 +99,17 @@ def indexer_scores_qk(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio
     if precision == "bf16":
         return indexer_scores(qI, kI, w, ratio, seg_q, pos_q, entry_seg, entry_j, backend=backend)
     qq, kq = qk_fake_quant(qI, precision), qk_fake_quant(kI, precision)
-    return quantised_scores(qq, kq, w, ratio, seg_q, pos_q, entry_seg, entry_j, backend)
+    return quantised_scores(qq, kq, w, ratio, seg_q, pos_q, entry_seg, entry_j, backend, precision)
 
 
 def quantised_scores(qq: torch.Tensor, kq: torch.Tensor, w: torch.Tensor, ratio: int, seg_q: torch.Tensor,
                      pos_q: torch.Tensor, entry_seg: torch.Tensor, entry_j: torch.Tensor,
-                     backend: str = "naive") -> torch.Tensor:
+                     backend: str = "naive", precision: str = "fp4") -> torch.Tensor:
     """The BF16 index scores [Tq, N] of already rotated and fake-quantised qq [Tq,nI,cI], kq [N,cI] (fp32
-    accumulation, then rounded to BF16)."""
-    return indexer_scores(qq, kq, w.float(), ratio, seg_q, pos_q, entry_seg, entry_j, backend=backend).to(torch.bfloat16)
+    accumulation, then rounded to BF16). precision: the features' ("fp8" | "fp4"); "fp8" lets backend
+    "triton+cudnn" score them with cuDNN's FP8 E4M3 kernel (kernels/indexer/cudnn_fwd.py), the same values."""
+    return indexer_scores(qq, kq, w.float(), ratio, seg_q, pos_q, entry_seg, entry_j, backend=backend,
+                          precision="fp8" if precision == "fp8" else "bf16").to(torch.bfloat16)
 
 
 def quantised_listed_scores(qq: torch.Tensor, kq: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,

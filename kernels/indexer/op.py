@@ -2,11 +2,17 @@
 ops (opaque to torch.compile; fake implementations for shapes). The bodies run `triton._IndexerScores`'s
 forward / backward with a plain ctx record (`FnCtx`), so the numerics are those of the autograd.Function.
 Packed layout (the contract of `naive.indexer_scores`): qI [Tq,nI,cI], kI [N,cI], w [Tq,nI], document metadata.
-`dsv4::indexer_topk`: the radix-select top-k (topk.py), no autograd."""
+`dsv4::indexer_topk`: the radix-select top-k (topk.py), no autograd.
+
+Backend "triton+cudnn" (`indexer_scores_cudnn`, kernels/indexer/cudnn_fwd.py): cuDNN's SM90 indexer forward (bf16 or
+FP8 E4M3) as custom op `dsv4::indexer_scores_cudnn_fwd`, same output as `dsv4::indexer_scores_fwd` and the same
+registered backward (`dsv4::indexer_scores_bwd`, Triton) when cudnn-frontend is importable and the call qualifies;
+otherwise the Triton forward above."""
 import torch
 
 from dsv4.kernels._custom_op import autograd_op, backward_op, traced
 from dsv4.kernels._triton_util import FnCtx
+from dsv4.kernels.indexer import cudnn_fwd as CF
 from dsv4.kernels.indexer import naive
 from dsv4.kernels.indexer import topk as TK
 from dsv4.kernels.indexer import triton as T
@@ -141,3 +147,77 @@ def indexer_topk(I: Tensor, k: int) -> Tensor:
     if k < 1:
         raise ValueError(f"indexer_topk: k must be >= 1, got {k}")
     return indexer_topk_op(I, int(k)) if traced((I,)) else _indexer_topk(I, int(k))
+
+
+# ------------------------------------------------ backend "triton+cudnn": cuDNN's SM90 indexer forward (cudnn_fwd.py)
+def _indexer_scores_cudnn_fwd(qI: Tensor, kI: Tensor, w: Tensor, ratio: int, seg_q: Tensor, pos_q: Tensor,
+                              entry_seg: Tensor, entry_j: Tensor, precision: str) -> Tensor:
+    """cuDNN's indexer forward (cudnn_fwd.forward) -> I [Tq,N] fp32: the output of `dsv4::indexer_scores_fwd`, so
+    `dsv4::indexer_scores_bwd` (which reads only the inputs) is its backward."""
+    fn, why = CF.load()
+    if fn is None:
+        raise RuntimeError(f"dsv4::indexer_scores_cudnn_fwd: {why}")
+    return CF.forward(fn, qI, kI, w, ratio, seg_q, pos_q, entry_seg, entry_j, precision)
+
+
+indexer_scores_cudnn_fwd = torch.library.custom_op("dsv4::indexer_scores_cudnn_fwd",
+                                                   mutates_args=())(_indexer_scores_cudnn_fwd)
+
+
+@indexer_scores_cudnn_fwd.register_fake
+def _(qI, kI, w, ratio, seg_q, pos_q, entry_seg, entry_j, precision):
+    return qI.new_empty(qI.shape[0], kI.shape[0], dtype=torch.float32)
+
+
+def _setup_cudnn(ctx, inputs, output):
+    _setup(ctx, inputs[:8], output)                     # the Triton forward's record: the backward is ours
+
+
+def _backward_cudnn(ctx, dI):
+    return _backward(ctx, dI) + (None,)                 # no gradient for precision
+
+
+indexer_scores_cudnn_fwd.register_autograd(_backward_cudnn, setup_context=_setup_cudnn)
+
+
+class _CudnnEager(torch.autograd.Function):
+    """The eager call (as `_custom_op.autograd_op`'s, skipping the dispatcher) with the cuDNN function `fn` an
+    explicit argument: indexer_forward_wrapper, or a stand-in with its signature and returns (the CPU tests)."""
+
+    @staticmethod
+    def forward(ctx, fn, *args):
+        out = CF.forward(fn, *args)
+        _setup_cudnn(ctx, args, out)
+        ctx.eager = True
+        return out
+
+    @staticmethod
+    def backward(ctx, dI):
+        return (None,) + _backward_cudnn(ctx, dI)
+
+
+def indexer_scores_cudnn(qI: Tensor, kI: Tensor, w: Tensor, ratio: int, seg_q: Tensor, pos_q: Tensor,
+                         entry_seg: Tensor, entry_j: Tensor, precision: str = "bf16", *, fwd_fn=None,
+                         capability=None) -> Tensor:
+    """Backend "triton+cudnn": cuDNN's SM90 indexer forward + our Triton backward when the call qualifies
+    (`cudnn_fwd.unqualified`: importable, SM90, cI 128, nI 16/32/64 (fp8: 32/64), bf16 qI / kI at "bf16"), else
+    `indexer_scores` (the Triton forward and backward). Same contract and returns as `indexer_scores`.
+    precision: "bf16" | "fp8" -- "fp8" says qI / kI are the indexer's FP8 features (kernels/indexer/fp4.py
+    qk_fake_quant: e4m3 times one power-of-two scale per row), which cuDNN then scores in FP8 E4M3 with per-token
+    descales; the Triton fallback scores the same features in fp32. fwd_fn: a stand-in with indexer_forward_wrapper's
+    signature and returns (tests; eager only); None: the real one. capability: the device's (major, minor) (None:
+    read from qI's device)."""
+    naive.check_scores_args(qI, kI, w, ratio, seg_q, pos_q, entry_seg, entry_j)
+    fn = CF.load()[0] if fwd_fn is None else fwd_fn
+    cap = CF.capability(qI) if capability is None else capability
+    why = CF.unqualified(qI, kI, w, precision, fn, cap)
+    if why is not None:
+        if why.startswith("precision must be"):
+            raise ValueError(f"indexer_scores_cudnn: {why}")
+        return indexer_scores(qI, kI, w, ratio, seg_q, pos_q, entry_seg, entry_j)
+    args = (qI, kI, w, int(ratio), seg_q, pos_q, entry_seg, entry_j, str(precision))
+    if traced(args):
+        if fwd_fn is not None:
+            raise ValueError("indexer_scores_cudnn: a stand-in fwd_fn runs eagerly only, not under torch.compile")
+        return indexer_scores_cudnn_fwd(*args)
+    return _CudnnEager.apply(fn, *args)
