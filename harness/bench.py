@@ -442,6 +442,7 @@ def _bench_topk(log, R=4096, k=512):
                     row["row_ms"] = _ms(lambda: tk.row_topk(I, k))
                     row["row_equal_naive"] = bool(torch.equal(tk.row_topk(I, k), naive.indexer_topk(I, k)))
                     row["row_config"] = str(tk._row_topk_tuned.best_config)
+                    row["row_tuned_ms"] = _tuned_ms(tk._row_topk_tuned)       # every config (ROWS x warps): the A/B
                 row["sort_ms"] = _ms(lambda: naive.indexer_topk(I, k))
                 row["speedup_vs_sort"] = row["sort_ms"] / row["radix_ms"]
                 if "row_ms" in row:
