@@ -44,14 +44,11 @@ def _pool_cfgs(nits):
 
 
 def _loop_cfgs():
-    """Forward configs of the slot-loop form (LOOP): [BE, BD] tiles of 8-32 fp32 elements per thread, the loop over
-    the window's rows software-pipelined (stages 2 / 3); one tile a program (NIT 1), or NIT 2 / 4 consecutive tiles
-    a program (several entries a program: fewer, longer programs for the 16K launch's tail; issue 14)."""
-    one = [dict(BE=be, BD=bd, NIT=1, LOOP=True, num_warps=w, num_stages=st)
-           for be, bd, w in ((4, 256, 4), (8, 128, 4), (8, 256, 4), (4, 512, 4), (16, 128, 4), (16, 256, 8),
-                             (8, 512, 8), (32, 128, 8), (32, 256, 8)) for st in (2, 3)]
-    return one + [dict(BE=be, BD=bd, NIT=nit, LOOP=True, num_warps=4, num_stages=2)
-                  for be, bd in ((4, 256), (8, 128), (8, 256)) for nit in (2, 4)]
+    """Forward configs of the slot-loop form (LOOP): [BE, BD] tiles of 8-32 fp32 elements per thread, one program
+    per BE slots x BD channels, the loop over the window's rows software-pipelined (stages 2 / 3)."""
+    return [dict(BE=be, BD=bd, NIT=1, LOOP=True, num_warps=w, num_stages=st)
+            for be, bd, w in ((4, 256, 4), (8, 128, 4), (8, 256, 4), (4, 512, 4), (16, 128, 4), (16, 256, 8),
+                              (8, 512, 8), (32, 128, 8), (32, 256, 8)) for st in (2, 3)]
 
 
 def _fits(cfgs, args):

@@ -9,7 +9,7 @@ use_interpreter()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 from dsv4.kernels.indexer import naive  # noqa: E402
 from dsv4.kernels.indexer import topk  # noqa: E402
 from dsv4.kernels.indexer.topk import radix_topk, row_topk  # noqa: E402
@@ -55,12 +55,9 @@ def test_radix_topk_equals_naive(kind, R, N, k):
                                    (3, 513, 512)])
 def test_row_topk_equals_naive(kind, R, N, k):
     """The row on registers: one tile of next_pow2(N) entries (padding past N), k picks sorted in a [next_pow2(k)]
-    vector (padding below every pick); one, two and four rows a program (R not a multiple: a partial program)."""
+    vector (padding below every pick)."""
     I = _rows(kind, R, N, seed=R * N + k + 1)
-    want = naive.indexer_topk(I, k)
-    assert torch.equal(row_topk(I, k), want)
-    for rows in (1, 4):
-        assert torch.equal(row_topk(I, k, dict(ROWS=rows, num_warps=1)), want), rows
+    assert torch.equal(row_topk(I, k), naive.indexer_topk(I, k))
 
 
 @pytest.mark.parametrize("bits,block", [(5, 32), (8, 64), (11, 128), (8, 512)])
@@ -173,8 +170,6 @@ def test_row_topk_dsv4_shapes_every_config_on_gpu(N):
     I[::97] = I[::97].round()
     for k in (512, 2048):
         want = naive.indexer_topk(I, k)
-        cfgs = [triton.Config({"ROWS": c["ROWS"]}, num_warps=c["num_warps"]) for c in topk._ROW_GPU]
-        for c in topk._row_fits(cfgs, dict(BLOCK=triton.next_power_of_2(N), KP=triton.next_power_of_2(k))):
-            cfg = dict(c.kwargs, num_warps=c.num_warps)                     # every GPU config the tuner keeps
-            assert torch.equal(row_topk(I, k, cfg), want), (k, cfg)
+        for w in (4, 8, 16):                                            # the GPU configs
+            assert torch.equal(row_topk(I, k, dict(num_warps=w)), want), (k, w)
         assert torch.equal(topk.indexer_topk(I, k, row_max_n=topk.ROW_MAX_N), want), k

@@ -157,54 +157,36 @@ def radix_topk(I: torch.Tensor, k: int, cfg: dict | None = None) -> torch.Tensor
 #      order is the stable sort's (higher key first, then lower index); the kk picks are stored compacted to the
 #      output row, read back as one [KP] vector (after a CTA barrier), sorted on registers (`tl.sort`, bitonic),
 #      decoded (index, -1 for -inf picks) and stored over the same row.
-# ROWS rows a program ([ROWS, BLOCK] tiles, a tuner choice): the steps are latency-bound chains of CTA-wide
-# reductions, scans and sort stages (~130 bar.sync a program in the sm_90 PTX of triton 3.6 at BLOCK 4096 / KP 512,
-# the same ~140-160 for 2 / 4 rows), and at 89-154 registers a thread only one or two programs fit an SM, so a
-# program of ROWS rows shares each barrier among ROWS rows.
-_ROW_GPU = [dict(ROWS=r, num_warps=w) for r in (1, 2, 4) for w in (4, 8, 16)]
-
-
-def _row_fits(cfgs, args):
-    """ROWS x BLOCK keys a program: at most 32 a thread (num_warps x 32 threads), and at most 8192 int64 picks of
-    ROWS x KP in the sort; one row a program always stays (ROW_MAX_N = 32 x 512 threads)."""
-    return [c for c in cfgs if c.kwargs["ROWS"] == 1 or (c.kwargs["ROWS"] * args["BLOCK"] <= 32 * 32 * c.num_warps
-                                                         and c.kwargs["ROWS"] * args["KP"] <= 8192)]
-
-
-_ROW_CONFIGS = configs(gpu=_ROW_GPU, cpu=dict(ROWS=2, num_warps=1), prune=_row_fits)
+_ROW_CONFIGS = configs(gpu=[dict(num_warps=4), dict(num_warps=8), dict(num_warps=16)], cpu=dict(num_warps=1))
 ROW_MAX_N = 16384                                     # 16K fp32 keys a program: 32 a thread at 16 warps
 
 
 @triton.jit
-def _row_topk(I, OUT, R, N, kk, si, so, BLOCK: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr):
-    """ROWS rows a program ([ROWS, BLOCK] tiles, every reduction along the row axis): the barriers of the select's
-    32 reductions, the two scans and the sort are shared by ROWS rows (ROWS = 1: one row a program)."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)            # [ROWS]
-    rmask = rows < R
-    offs = tl.arange(0, BLOCK)[None, :]                                         # [1, BLOCK]
-    key, _ = _keys(I + rows[:, None] * si, offs, tl.where(rmask, N, 0)[:, None])  # [ROWS, BLOCK] uint32, 0 past N
-    t = tl.zeros([ROWS], tl.uint32)                                             # 1. the kk-th largest key a row
+def _row_topk(I, OUT, N, kk, si, so, BLOCK: tl.constexpr, KP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    key, _ = _keys(I + row * si, offs, N)                                      # [BLOCK] uint32, 0 past N
+    t = tl.zeros([], tl.uint32)                                                 # 1. the kk-th largest key
     for b in tl.static_range(31, -1, -1):
-        cand = t | tl.full([ROWS], 1 << b, tl.uint32)
-        t = tl.where(tl.sum((key >= cand[:, None]).to(tl.int32), 1) >= kk, cand, t)
-    gt = key > t[:, None]                                                       # 2. the picks
-    eq = key == t[:, None]
-    need = kk - tl.sum(gt.to(tl.int32), 1)                                      # [ROWS]
-    keep = gt | (eq & (tl.cumsum(eq.to(tl.int32), 1) <= need[:, None]))
-    pos = tl.cumsum(keep.to(tl.int32), 1) - 1
-    skey = (key ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)          # 3. order: c, unique in a row
+        cand = t | tl.full([], 1 << b, tl.uint32)
+        t = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= kk, cand, t)
+    gt = key > t                                                                # 2. the picks
+    eq = key == t
+    need = kk - tl.sum(gt.to(tl.int32), 0)
+    keep = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need))
+    pos = tl.cumsum(keep.to(tl.int32), 0) - 1
+    skey = (key ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)          # 3. order: c, unique
     c = (skey << 32) | (0x7FFFFFFF - offs).to(tl.int64)
-    dst = OUT + rows[:, None] * so                                              # [ROWS, 1]
-    tl.store(dst + pos, c, mask=keep & rmask[:, None])
-    tl.debug_barrier()                                                          # the rows' stores -> their loads
-    ks = tl.arange(0, KP)[None, :]                                              # [1, KP]
-    kmask = (ks < kk) & rmask[:, None]
-    c = tl.load(dst + ks, mask=kmask, other=-9223372036854775807 - 1, cache_modifier=".cg")
-    c = tl.sort(c, dim=1, descending=True)                                      # [ROWS, KP] the picks in order
+    dst = OUT + row * so
+    tl.store(dst + pos, c, mask=keep)
+    tl.debug_barrier()                                                          # the row's stores -> its loads
+    ks = tl.arange(0, KP)
+    c = tl.load(dst + ks, mask=ks < kk, other=-9223372036854775807 - 1, cache_modifier=".cg")
+    c = tl.sort(c, descending=True)                                             # [KP] the picks in order
     tl.debug_barrier()                                                          # every load before the stores
     idx = 0x7FFFFFFF - (c & 0xFFFFFFFF)
     ninf = (c >> 32) == SNINF_KEY                                              # (arithmetic shift)
-    tl.store(dst + ks, tl.where(ninf, -1, idx), mask=kmask)
+    tl.store(dst + ks, tl.where(ninf, -1, idx), mask=ks < kk)
 
 
 _row_topk_tuned = triton.autotune(**_ROW_CONFIGS, key=["BLOCK", "KP"])(_row_topk)
@@ -212,7 +194,7 @@ _row_topk_tuned = triton.autotune(**_ROW_CONFIGS, key=["BLOCK", "KP"])(_row_topk
 
 def row_topk(I: torch.Tensor, k: int, cfg: dict | None = None) -> torch.Tensor:
     """I [R, N] fp32 / bf16 / fp16, N <= ROW_MAX_N (CUDA, or CPU under TRITON_INTERPRET=1) -> idx [R, min(k, N)]
-    long == `naive.indexer_topk`, the rows on registers (ROWS a program). `cfg` = dict(ROWS=, num_warps=) bypasses
+    long == `naive.indexer_topk`, one program a row with the row on registers. `cfg` = dict(num_warps=) bypasses
     the autotuner (tests)."""
     if I.dtype not in (torch.float32, torch.bfloat16, torch.float16) or I.dim() != 2:
         raise ValueError(f"row_topk: I must be a 2-D fp32 / bf16 / fp16 tensor, got {I.dtype} {tuple(I.shape)}")
@@ -227,12 +209,8 @@ def row_topk(I: torch.Tensor, k: int, cfg: dict | None = None) -> torch.Tensor:
     if R == 0 or kk == 0:
         return idx
     BLOCK, KP = triton.next_power_of_2(N), triton.next_power_of_2(kk)
-    if cfg is None:
-        _row_topk_tuned[lambda meta: (triton.cdiv(R, meta["ROWS"]),)](I, idx, R, N, kk, I.stride(0), kk,
-                                                                       BLOCK=BLOCK, KP=KP)
-    else:
-        cfg = {"ROWS": 1, **cfg}
-        _row_topk[(triton.cdiv(R, cfg["ROWS"]),)](I, idx, R, N, kk, I.stride(0), kk, BLOCK=BLOCK, KP=KP, **cfg)
+    kern = _row_topk_tuned if cfg is None else _row_topk
+    kern[(R,)](I, idx, N, kk, I.stride(0), kk, BLOCK=BLOCK, KP=KP, **(cfg or {}))
     return idx
 
 
