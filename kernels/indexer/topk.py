@@ -151,8 +151,10 @@ def radix_topk(I: torch.Tensor, k: int, cfg: dict | None = None) -> torch.Tensor
 # everything happens on registers: no select passes over memory, no [R, k] key buffer, no PyTorch sort after.
 #   1. t = the kk-th largest order key, bit by bit from the top: the largest t with #(key >= t) >= kk
 #      (32 compare-and-count reductions over the row in registers). Entries past N have key 0, below every score.
-#   2. picks: keys > t, then the first `need` keys == t in index order (tl.cumsum), as before; with fewer than kk
-#      finite entries t is the -inf key and the first -inf entries fill the row, as in the stable sort.
+#   2. picks: keys > t, then the first `need` keys == t in index order, as before; with fewer than kk finite
+#      entries t is the -inf key and the first -inf entries fill the row, as in the stable sort. One `tl.cumsum`
+#      of (gt << 16) | eq counts both (each count <= N <= 16384 < 2^16); a pick's slot = the > t entries up to it
+#      + min(the == t entries up to it, need) - 1.
 #   3. order: each pick as one int64 c = (signed key << 32) | (2^31 - 1 - index) -- unique, and c's descending
 #      order is the stable sort's (higher key first, then lower index); the kk picks are stored compacted to the
 #      output row, read back as one [KP] vector (after a CTA barrier), sorted on registers (`tl.sort`, bitonic),
@@ -172,9 +174,11 @@ def _row_topk(I, OUT, N, kk, si, so, BLOCK: tl.constexpr, KP: tl.constexpr):
         t = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= kk, cand, t)
     gt = key > t                                                                # 2. the picks
     eq = key == t
-    need = kk - tl.sum(gt.to(tl.int32), 0)
-    keep = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need))
-    pos = tl.cumsum(keep.to(tl.int32), 0) - 1
+    cnt = tl.cumsum((gt.to(tl.int32) << 16) | eq.to(tl.int32), 0)              # [BLOCK] (#gt << 16) | #eq so far
+    need = kk - (tl.max(cnt, 0) >> 16)                                          # the == t picks (cnt's last)
+    n_eq = cnt & 0xFFFF
+    keep = gt | (eq & (n_eq <= need))
+    pos = (cnt >> 16) + tl.minimum(n_eq, need) - 1                              # picks before + this one - 1
     skey = (key ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)          # 3. order: c, unique
     c = (skey << 32) | (0x7FFFFFFF - offs).to(tl.int64)
     dst = OUT + row * so
