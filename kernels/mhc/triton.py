@@ -35,7 +35,7 @@ hc_pre backward, three kernels, 3X + 2U:
      (NSPLIT·K·RP·4 bytes: ≤ 32 MiB, summed by PyTorch) -- no second pass over x. Products: bf16 dx takes
      dh1·f1 + dh1·f2 + dh2·f1 (3 bf16 dots; the dropped terms are ~2^-16 relative, the bf16 store rounds at 2^-9),
      dfnᵀ = Σ_i xᵀ·dh_i (3 dots, ~fp32); was 3xTF32 + 2 TF32 passes (5 TF32 = 10 bf16-dot equivalents, now 6).
-     dbase / dscale are PyTorch sums over dz [N, RP].
+     dbase / dscale: `_pre_bwd_map` writes per-program sums, reduced by one PyTorch sum (was six launches).
 hc_post: one kernel each way, per (block of tokens, block of channels), 2X + U forward, 3X + 2U backward; the
   backward writes dpost / dcomb partial sums per channel block (summed by PyTorch; deterministic, no atomics).
 Every streaming kernel is autotuned over block sizes / warps / stages (and SPLIT / NSPLIT); the launch code
@@ -218,6 +218,7 @@ def _proj(X, FN3, PART, SQ, N, K, R, NK, RP: tl.constexpr, XB16: tl.constexpr, I
 _MAP = configs(gpu=[dict(BM=32, num_warps=4), dict(BM=32, num_warps=8), dict(BM=32, num_warps=16),
                     dict(BM=16, num_warps=4), dict(BM=16, num_warps=8), dict(BM=64, num_warps=16)],
                cpu=dict(BM=16), prune=_small(lambda a: 1 << 13))
+_MAP_BM_MIN = 16                                # _MAP's smallest BM (sizes `_pre_bwd_map`'s per-program sums)
 
 
 @triton.autotune(**_MAP, key=["NK", "NS"])
@@ -325,14 +326,15 @@ def _pre_bwd_dpre(X, DU, DPRE, N, D, NK, NS: tl.constexpr, NP: tl.constexpr, BM:
 
 @triton.autotune(**_MAP, key=["NK", "NS"])
 @triton.jit
-def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH3, CX, ST, N, K, R, iters, eps, NK,
+def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH3, CX, ST, SUMS, N, K, R, iters, eps, NK,
                  NS: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr):
     """Backward of the small map z = mix·scale + base -> (pre, post, comb) into DZ = dL/dz [N, RP], then
     DH3 [3, N, RP] = the bf16 pieces (`_split3`) of dh = d(x·fnᵀ) = dz·scale·r, and CX = -r²/K·Σ dmix·mix (the
     rsqrt's term of dx). The Sinkhorn steps: the forward is replayed once from the softmax (the same operations in
     the same order as `_pre_map`), the input of every step stored in ST [2·iters-1, N, NP, NP] fp32 (scratch), then
     the steps are differentiated last to first from those inputs: O(iters) work per token (was an O(iters²)
-    replay: 741 normalisations at 20 iters)."""
+    replay: 741 normalisations at 20 iters). SUMS [programs, 2, RP]: this program's token sums of dz (-> dbase)
+    and, in row 1's first three columns, of dz·mix over the pre / post / comb columns (-> dscale)."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     mmask = offs_m < N
     j = tl.arange(0, NP)
@@ -399,6 +401,13 @@ def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH3, CX, ST, N,
     tl.store(DH3 + 2 * N * RP + dh_off, dh3, mask=mmask[:, None])
     tl.store(DZ + offs_m[:, None] * RP + offs_r[None, :], dzr, mask=mmask[:, None])
     tl.store(CX + offs_m, -tl.sum(dmix * mixr, 1) * rinv * rinv / K, mask=mmask)
+    ds = tl.sum(dzr * mixr, 0)                                  # [RP] this block's Σ_t dz·mix (rows past N: 0)
+    g0 = tl.sum(tl.where(offs_r < NS, ds, 0.0), 0)
+    g1 = tl.sum(tl.where((offs_r >= NS) & (offs_r < 2 * NS), ds, 0.0), 0)
+    g2 = tl.sum(tl.where(offs_r >= 2 * NS, ds, 0.0), 0)           # (columns past R: 0)
+    sums = SUMS + tl.program_id(0) * 2 * RP
+    tl.store(sums + offs_r, tl.sum(dzr, 0))                     # -> dbase
+    tl.store(sums + RP + offs_r, tl.where(offs_r == 0, g0, tl.where(offs_r == 1, g1, tl.where(offs_r == 2, g2, 0.0))))
 
 
 _DX_SPLIT_MAX = 16
@@ -436,7 +445,7 @@ def _pre_bwd_dx(X, FN3, DH3, CX, PRE, DU, DX, DFN, N, K, D, R, NK, NS: tl.conste
     dx = dh·fn + cx·x + pre_j·du and dfnᵀ[BD, RP] += xᵀ·dh, all products bf16 dots of pieces (`_mm3`): dh and fn
     in three pieces (DH3 [3, N, RP] from `_pre_bwd_map`, FN3 [3, R, K]), bf16 x as it is. dx in bf16 takes
     dh1·f1 + dh1·f2 + dh2·f1 (dropped terms ~2^-16 relative, under its 2^-9 rounding), in fp32 six dots;
-    dfnᵀ = Σ_i xᵀ·dh_i (exact products: ~fp32). DFN[s] [K, RP] partial, summed over s by PyTorch."""
+    dfnᵀ = Σ_i xᵀ·dh_i (exact products: ~fp32). DFN[s] [RP, K] partial (fn's layout), summed over s by PyTorch."""
     LDX: tl.constexpr = 1 if XB16 else 2                        # _mm3 level of dx (bf16 dx: 3 dots)
     j = tl.program_id(0) % NS
     offs_d = (tl.program_id(0) // NS) * BD + tl.arange(0, BD)
@@ -473,7 +482,7 @@ def _pre_bwd_dx(X, FN3, DH3, CX, PRE, DU, DX, DFN, N, K, D, R, NK, NS: tl.conste
         else:
             x1, x2, x3 = _split3(tl.trans(x.to(tl.float32)))
             dfnT = _mm3(x1, x2, x3, dh1, dh2, dh3, dfnT, 3, 3, 2, IEEE)
-    tl.store(DFN + (s * K + kk[:, None].to(tl.int64)) * RP + offs_r[None, :], dfnT,
+    tl.store(DFN + (s * RP + offs_r[None, :]).to(tl.int64) * K + kk[:, None], dfnT,
              mask=dmask[:, None] & (offs_r < R)[None, :])
 
 
@@ -531,21 +540,20 @@ class _HcPre(torch.autograd.Function):
         dz, cx = torch.empty(N, RP, **f32), torch.empty(N, **f32)
         dh3 = torch.empty(3, N, RP, device=x.device, dtype=torch.bfloat16)     # dh's bf16 pieces
         steps = torch.empty(max(2 * iters - 1, 1), N, NP, NP, **f32)         # Sinkhorn step inputs (scratch)
+        sums = torch.empty(triton.cdiv(N, _MAP_BM_MIN), 2, RP, **f32)          # per-program dbase / dscale sums
         _pre_bwd_map[lambda meta: (triton.cdiv(N, meta["BM"]),)](mix, rinv, base32, scale32, dpre, dpost, dcomb, dz,
-                                                                 dh3, cx, steps, N, K, R, iters, eps, N.bit_length(),
-                                                                 NS=n, NP=NP, RP=RP)
+                                                                 dh3, cx, steps, sums, N, K, R, iters, eps,
+                                                                 N.bit_length(), NS=n, NP=NP, RP=RP)
         del steps
+        sums = sums[:triton.cdiv(N, tuned(_pre_bwd_map, "BM"))].sum(0)          # [2, RP]: one reduction
         dx = torch.empty_like(x)
-        part = torch.empty(_DX_SPLIT_MAX, K, RP, **f32)
+        part = torch.empty(_DX_SPLIT_MAX, RP, K, **f32)
         _pre_bwd_dx[lambda meta: (n * triton.cdiv(d, meta["BD"]), meta["NSPLIT"])](
             x, _split_bf16(fn32), dh3, cx, pre, du, dx, part, N, K, d, R, N.bit_length(), NS=n, RP=RP,
             XB16=_bf16x(x), IEEE=_ieee(x))
-        dfn = part[:tuned(_pre_bwd_dx, "NSPLIT"), :, :R].sum(0).t()             # [R, n*d]
-        dz = dz[:, :R]
-        dbase = dz.sum(0)
-        ds = (dz * mix[:, :R]).sum(0)                                            # [R] rows: pre n, post n, comb n*n
-        dscale = torch.stack([ds[:n].sum(), ds[n:2 * n].sum(), ds[2 * n:].sum()])   # [3] (no host->device index)
-        return dx, dfn.to(fdt).contiguous(), dbase.to(bdt), dscale.to(sdt), None, None, None
+        dfn = part[:tuned(_pre_bwd_dx, "NSPLIT"), :R].sum(0)                    # [R, n*d]
+        dbase, dscale = sums[0, :R], sums[1, :3]                                 # dscale: pre, post, comb
+        return dx, dfn.to(fdt), dbase.to(bdt), dscale.to(sdt), None, None, None
 
 
 # ------------------------------------------------------------------------------------------ hc_post
