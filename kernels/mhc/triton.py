@@ -35,7 +35,7 @@ hc_pre backward, three kernels, 3X + 2U:
      (NSPLIT·K·RP·4 bytes: ≤ 32 MiB, summed by PyTorch) -- no second pass over x. Products: bf16 dx takes
      dh1·f1 + dh1·f2 + dh2·f1 (3 bf16 dots; the dropped terms are ~2^-16 relative, the bf16 store rounds at 2^-9),
      dfnᵀ = Σ_i xᵀ·dh_i (3 dots, ~fp32); was 3xTF32 + 2 TF32 passes (5 TF32 = 10 bf16-dot equivalents, now 6).
-     dbase / dscale: `_pre_bwd_map` writes per-program sums, reduced by one PyTorch sum (was six launches).
+     dbase / dscale: `_pre_bwd_map` writes per-program sums, reduced by two PyTorch sums (were six launches).
 hc_post: one kernel each way, per (block of tokens, block of channels), 2X + U forward, 3X + 2U backward; the
   backward writes dpost / dcomb partial sums per channel block (summed by PyTorch; deterministic, no atomics).
 Every streaming kernel is autotuned over block sizes / warps / stages (and SPLIT / NSPLIT); the launch code
@@ -326,15 +326,15 @@ def _pre_bwd_dpre(X, DU, DPRE, N, D, NK, NS: tl.constexpr, NP: tl.constexpr, BM:
 
 @triton.autotune(**_MAP, key=["NK", "NS"])
 @triton.jit
-def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH3, CX, ST, SUMS, N, K, R, iters, eps, NK,
+def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH3, CX, ST, SB, SS, N, K, R, iters, eps, NK,
                  NS: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, BM: tl.constexpr):
     """Backward of the small map z = mix·scale + base -> (pre, post, comb) into DZ = dL/dz [N, RP], then
     DH3 [3, N, RP] = the bf16 pieces (`_split3`) of dh = d(x·fnᵀ) = dz·scale·r, and CX = -r²/K·Σ dmix·mix (the
     rsqrt's term of dx). The Sinkhorn steps: the forward is replayed once from the softmax (the same operations in
     the same order as `_pre_map`), the input of every step stored in ST [2·iters-1, N, NP, NP] fp32 (scratch), then
     the steps are differentiated last to first from those inputs: O(iters) work per token (was an O(iters²)
-    replay: 741 normalisations at 20 iters). SUMS [programs, 2, RP]: this program's token sums of dz (-> dbase)
-    and, in row 1's first three columns, of dz·mix over the pre / post / comb columns (-> dscale)."""
+    replay: 741 normalisations at 20 iters). This program's token sums: SB [programs, RP] of dz (-> dbase), SS
+    [programs, 4] of dz·mix over the pre / post / comb columns (-> dscale; the 4th 0)."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     mmask = offs_m < N
     j = tl.arange(0, NP)
@@ -405,9 +405,9 @@ def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH3, CX, ST, SU
     g0 = tl.sum(tl.where(offs_r < NS, ds, 0.0), 0)
     g1 = tl.sum(tl.where((offs_r >= NS) & (offs_r < 2 * NS), ds, 0.0), 0)
     g2 = tl.sum(tl.where(offs_r >= 2 * NS, ds, 0.0), 0)           # (columns past R: 0)
-    sums = SUMS + tl.program_id(0) * 2 * RP
-    tl.store(sums + offs_r, tl.sum(dzr, 0))                     # -> dbase
-    tl.store(sums + RP + offs_r, tl.where(offs_r == 0, g0, tl.where(offs_r == 1, g1, tl.where(offs_r == 2, g2, 0.0))))
+    tl.store(SB + tl.program_id(0) * RP + offs_r, tl.sum(dzr, 0))            # -> dbase
+    i4 = tl.arange(0, 4)
+    tl.store(SS + tl.program_id(0) * 4 + i4, tl.where(i4 == 0, g0, tl.where(i4 == 1, g1, tl.where(i4 == 2, g2, 0.0))))
 
 
 _DX_SPLIT_MAX = 16
@@ -540,19 +540,20 @@ class _HcPre(torch.autograd.Function):
         dz, cx = torch.empty(N, RP, **f32), torch.empty(N, **f32)
         dh3 = torch.empty(3, N, RP, device=x.device, dtype=torch.bfloat16)     # dh's bf16 pieces
         steps = torch.empty(max(2 * iters - 1, 1), N, NP, NP, **f32)         # Sinkhorn step inputs (scratch)
-        sums = torch.empty(triton.cdiv(N, _MAP_BM_MIN), 2, RP, **f32)          # per-program dbase / dscale sums
+        P = triton.cdiv(N, _MAP_BM_MIN)                                        # per-program dbase / dscale sums
+        sb, ss = torch.empty(P, RP, **f32), torch.empty(P, 4, **f32)
         _pre_bwd_map[lambda meta: (triton.cdiv(N, meta["BM"]),)](mix, rinv, base32, scale32, dpre, dpost, dcomb, dz,
-                                                                 dh3, cx, steps, sums, N, K, R, iters, eps,
+                                                                 dh3, cx, steps, sb, ss, N, K, R, iters, eps,
                                                                  N.bit_length(), NS=n, NP=NP, RP=RP)
         del steps
-        sums = sums[:triton.cdiv(N, tuned(_pre_bwd_map, "BM"))].sum(0)          # [2, RP]: one reduction
+        P = triton.cdiv(N, tuned(_pre_bwd_map, "BM"))
+        dbase, dscale = sb[:P, :R].sum(0), ss[:P, :3].sum(0)                    # dscale: pre, post, comb
         dx = torch.empty_like(x)
         part = torch.empty(_DX_SPLIT_MAX, RP, K, **f32)
         _pre_bwd_dx[lambda meta: (n * triton.cdiv(d, meta["BD"]), meta["NSPLIT"])](
             x, _split_bf16(fn32), dh3, cx, pre, du, dx, part, N, K, d, R, N.bit_length(), NS=n, RP=RP,
             XB16=_bf16x(x), IEEE=_ieee(x))
         dfn = part[:tuned(_pre_bwd_dx, "NSPLIT"), :R].sum(0)                    # [R, n*d]
-        dbase, dscale = sums[0, :R], sums[1, :3]                                 # dscale: pre, post, comb
         return dx, dfn.to(fdt), dbase.to(bdt), dscale.to(sdt), None, None, None
 
 
