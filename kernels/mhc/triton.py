@@ -482,8 +482,8 @@ def _pre_bwd_dx(X, FN3, DH3, CX, PRE, DU, DX, DFN, N, K, D, R, NK, NS: tl.conste
         else:
             x1, x2, x3 = _split3(tl.trans(x.to(tl.float32)))
             dfnT = _mm3(x1, x2, x3, dh1, dh2, dh3, dfnT, 3, 3, 2, IEEE)
-    tl.store(DFN + (s * RP + offs_r[None, :]).to(tl.int64) * K + kk[:, None], dfnT,
-             mask=dmask[:, None] & (offs_r < R)[None, :])
+    tl.store(DFN + (s * RP + offs_r[:, None]).to(tl.int64) * K + kk[None, :], tl.trans(dfnT),   # [RP, BD] rows
+             mask=(offs_r < R)[:, None] & dmask[None, :])                                      # of BD·4 bytes
 
 
 def _project(x, fn32, norm_eps, base32=None, scale32=None, iters=1, eps=0.0):
