@@ -34,24 +34,23 @@ naive.causal_entry_mask, same document and entry_j[n] < (pos_q[t]+1) // ratio):
         t (0: none): cuDNN's ratio-causal window (off + t + 1) // ratio >= hi[t] covers every visible entry of every
         query (computed on the device, no host sync), so cuDNN skips only entries no query sees; then our mask
         sets -inf wherever the entry is not visible (other documents, padding, empty slots, incomplete entries).
-        Both from the metadata by Triton on CUDA tensors (kernels/indexer/cudnn_prep.py: no [Tq, N] mask).
     Exact for any layout. Cost: cuDNN's causal triangle is one per stream, so a packed stream of several documents
     also scores the cross-document pairs below it (masked afterwards); one document per stream (entries in order):
     off = 0, its own causal triangle, nothing wasted.
     fp8 (precision "fp8" = the indexer's one FP8 setting, Indexer.qk_precision / recipe indexer_qk_precision,
         kernels/indexer/fp4.py): qI, kI are the rotated, fake-quantised features (qk_fake_quant: e4m3 values, one
         ue8m0 scale per row); `fp8_split` re-forms (e4m3, descale) from them, exactly (values on the grid, the
-        scale a power of two), so cuDNN's FP8 scores equal ours on the same features up to the accumulation order
-        (on CUDA by the fused Triton FP8 quantiser, kernels/quant/triton.py: the same bits as `quantize`).
+        scale a power of two), so cuDNN's FP8 scores equal ours on the same features up to the accumulation order.
 """
 from __future__ import annotations
 
 import torch
 
+from dsv4.kernels.quant import triton as QT      # the fused FP8 quantiser (fp8_split on CUDA)
+from dsv4.kernels.quant.naive import quantize
 from dsv4.kernels.sparse_attn.flashmla import capability      # the device capability memo (one per device)
 
-from . import cudnn_prep as P
-from .cudnn_prep import causal_offset, fp8_split  # noqa: F401 - the PyTorch reference and the split (tests, bench)
+from . import naive
 
 HEAD_DIM = 128                                        # _interface_sm90.py:178
 HEADS = {"bf16": (16, 32, 64), "fp8": (32, 64)}       # _interface_sm90.py:33-34
@@ -108,12 +107,37 @@ def unqualified(qI, kI, w, precision: str, fn, cap) -> str | None:
     return None
 
 
+def fp8_split(x: torch.Tensor, use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., c] (qk_fake_quant's "fp8" features: e4m3 values times one power-of-two scale per row) -> (e4m3
+    [..., c] torch.float8_e4m3fn, descale [...] fp32) with e4m3 * descale == x exactly for such x (a general x is
+    quantised: e4m3, ue8m0 scale per row, DeepSeek's rule). fp32 x with c = 128 (one row = one 1 x 128 tile) on
+    CUDA (use_triton None) or use_triton=True: the fused Triton FP8 quantiser (kernels/quant/triton.py, the same
+    bits as `quantize`; H200 at [16384, 64, 128]: 0.374 ms vs 3.585); otherwise `quantize`. bf16 x takes
+    `quantize`: on the H200 the Triton quantiser's bits differed from it on a bf16 test row (not investigated)."""
+    c = x.shape[-1]
+    if (x.is_cuda if use_triton is None else use_triton) and c == QT.TILE and x.dtype == torch.float32:
+        q, s = QT.fp8_quantize(x.detach().reshape(-1, c), "e4m3", (1, c), "ue8m0")   # [R, c] e4m3, [R, 1]
+        return q.view(x.shape), s.view(x.shape[:-1])
+    qt = quantize(x.detach(), "e4m3", (1, c), "ue8m0")
+    return qt.fp8(), qt.scale[..., 0].float()
+
+
+def causal_offset(mask: torch.Tensor, ratio: int) -> torch.Tensor:
+    """mask [Tq, N] bool (visible) -> q_causal_offsets [1] int32: the least off >= 0 whose cuDNN window
+    (off + t + 1) // ratio covers every visible entry of every query t (module docstring)."""
+    Tq, N = mask.shape
+    last = N - 1 - mask.flip(1).to(torch.uint8).argmax(1)                          # the last visible entry
+    hi = torch.where(mask.any(1), last + 1, 0)                                     # [Tq]
+    need = ratio * hi - torch.arange(1, Tq + 1, device=mask.device)
+    return need.amax().clamp_min(0).to(torch.int32).reshape(1)
+
+
 def forward(fn, qI, kI, w, ratio: int, seg_q, pos_q, entry_seg, entry_j, precision: str = "bf16") -> torch.Tensor:
     """cuDNN's indexer forward on our arguments -> I [Tq, N] fp32, -inf where not visible (naive.indexer_scores'
-    contract). `fn` has indexer_forward_wrapper's signature and returns. The offset, the FP8 split and the mask are
-    cudnn_prep's: Triton on CUDA tensors (no [Tq, N] mask), the mask-based PyTorch code on CPU tensors."""
+    contract). `fn` has indexer_forward_wrapper's signature and returns."""
     Tq, nI, cI = qI.shape
-    off = P.causal_offset_meta(seg_q, pos_q, entry_seg, entry_j, ratio)          # [1] int32
+    mask = naive.causal_entry_mask(seg_q, pos_q, entry_seg, entry_j, ratio)         # [Tq, N]
+    off = causal_offset(mask, ratio)
     wdt = torch.promote_types(w.dtype, torch.float32)                              # fp32 (fp64 stays: tests)
     wf = w.detach().to(wdt) * (nI ** -0.5 * cI ** -0.5)                            # [Tq, nI] our scale
     if precision == "fp8":
@@ -124,4 +148,4 @@ def forward(fn, qI, kI, w, ratio: int, seg_q, pos_q, entry_seg, entry_j, precisi
     else:
         r = fn(qI.detach().contiguous()[None], kI.detach().contiguous()[None, :, None], wf[None].contiguous(),
                ratio=int(ratio), sm_scale=1.0, q_causal_offsets=off, precision="bf16")
-    return P.mask_scores_(r["scores"][0], seg_q, pos_q, entry_seg, entry_j, ratio)
+    return r["scores"][0].masked_fill_(~mask, float("-inf"))

@@ -153,6 +153,60 @@ def test_fp8_split_of_the_fp8_features_is_exact():
         assert torch.equal(s, torch.exp2(torch.log2(s).round()))   # powers of two
 
 
+DEV = "cuda" if CUDA else "cpu"                        # the fp8_split tests: compiled Triton on a GPU host
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t.view(torch.int32)
+
+
+def _assert_split_same(x, use_triton=True):
+    """fp8_split through the Triton quantiser == the `quantize` path, bit for bit."""
+    (q, s), (qr, sr) = CF.fp8_split(x, use_triton=use_triton), CF.fp8_split(x, use_triton=False)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert q.shape == x.shape and s.shape == x.shape[:-1]
+    assert torch.equal(_bits(q), _bits(qr)) and torch.equal(_bits(s), _bits(sr))
+
+
+def test_fp8_split_triton_equals_quantize():
+    """fp32 rows of 128 (the Triton path): random magnitudes, zero / -0 rows, huge, subnormal and non-finite
+    entries, a row spanning 2^±64; [T, nI, 128], [nI, 128] and strided rows; the indexer's FP8 features."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 8, 128, generator=g) * torch.exp2(torch.randint(-20, 20, (37, 8, 1), generator=g).float())
+    x[0, 0] = 0.0
+    x[0, 1] = -0.0
+    x[1, 0] = 3e38
+    x[1, 1, :5] = torch.tensor([448.0, -449.0, 1e30, 1.0, -0.0])
+    x[2, 0] = 1e-40
+    x[2, 1, ::3] = 0.0
+    x[3, 0, 7] = float("nan")
+    x[3, 1, 9] = float("inf")
+    x[3, 2, 11] = -float("inf")
+    x[4, 0] = 448.0 * 2.0 ** torch.arange(-64, 64).float()
+    x = x.to(DEV)
+    for v in (x, x[5], x[:, 3]):
+        _assert_split_same(v)
+    q = torch.randn(41, 32, 128, generator=g)
+    q[3, 1] *= 1e-3
+    for f in (qk_fake_quant(q, "fp8"), qk_fake_quant(torch.randn(23, 128, generator=g) * 300.0, "fp8")):
+        _assert_split_same(f.to(DEV))
+
+
+def test_fp8_split_takes_quantize_off_the_triton_path(monkeypatch):
+    """c != 128, fp64 or bf16 x: the `quantize` path whatever use_triton says (the Triton quantiser is never
+    called); fp32 rows of 128 do call it."""
+    calls = []
+    real = CF.QT.fp8_quantize
+    monkeypatch.setattr(CF.QT, "fp8_quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(2)
+    for x in (torch.randn(9, 64, generator=g), torch.randn(9, 128, generator=g).double(),
+              torch.randn(9, 128, generator=g).bfloat16()):
+        _assert_split_same(x.to(DEV))
+    assert calls == []
+    _assert_split_same(torch.randn(9, 128, generator=g).to(DEV))
+    assert calls == [1]
+
+
 def test_fp8_stand_in_equals_naive_on_the_fp8_features():
     """precision "fp8": cuDNN's FP8 scoring of the split features (W pre-scaled by our scale and the q descale)
     == naive on the fake-quantised features (fp32; the products are exact, only the summation order differs)."""
