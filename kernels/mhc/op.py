@@ -1,7 +1,7 @@
 """`dsv4::hc_pre_fwd|bwd`, `dsv4::hc_post_fwd|bwd`: the fused Triton mHC kernels as torch custom ops (opaque to
 torch.compile; fake implementations for shapes). The bodies run `triton._HcPre` / `triton._HcPost`'s forward /
 backward with a plain ctx record (`FnCtx`), so the numerics are those of the autograd.Functions. hc_pre's
-forward also returns the tensors its backward needs (mix, rinv, pre); `sinkhorn` and `hc_head` have no Triton
+forward also returns the tensors its backward needs (mix, rinv, pre, fn3); `sinkhorn` and `hc_head` have no Triton
 kernel (the reference is used, see `kernels.OPS`)."""
 from typing import Optional
 
@@ -16,12 +16,13 @@ Tensor = torch.Tensor
 
 # ------------------------------------------------------------------------------------------------ hc_pre
 def _hc_pre_fwd(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: float,
-                norm_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> (u [N,d] x.dtype, post [N,n], comb [N,n,n], and for the backward mix [N,RP], rinv [N], pre [N,n])."""
+                norm_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (u [N,d] x.dtype, post [N,n], comb [N,n,n], and for the backward mix [N,RP], rinv [N], pre [N,n],
+    fn's bf16 pieces fn3 [3,R,n*d])."""
     ctx = FnCtx()
     u, post, comb = T._HcPre.forward(ctx, x, fn, base, scale, iters, eps, norm_eps)
-    _, _, _, _, mix, rinv, pre = ctx.saved_tensors
-    return u, post, comb, mix, rinv, pre
+    _, _, _, _, mix, rinv, pre, fn3 = ctx.saved_tensors
+    return u, post, comb, mix, rinv, pre, fn3
 
 
 hc_pre_fwd = torch.library.custom_op("dsv4::hc_pre_fwd", mutates_args=())(_hc_pre_fwd)
@@ -32,15 +33,16 @@ def _(x, fn, base, scale, iters, eps, norm_eps):
     N, n, d = x.shape
     f32 = dict(dtype=torch.float32)
     return (x.new_empty(N, d), x.new_empty(N, n, **f32), x.new_empty(N, n, n, **f32),
-            x.new_empty(N, T.pow2(fn.shape[0]), **f32), x.new_empty(N, **f32), x.new_empty(N, n, **f32))
+            x.new_empty(N, T.pow2(fn.shape[0]), **f32), x.new_empty(N, **f32), x.new_empty(N, n, **f32),
+            x.new_empty(3, *fn.shape, dtype=torch.bfloat16))
 
 
 def _hc_pre_bwd(du: Optional[Tensor], dpost: Optional[Tensor], dcomb: Optional[Tensor], x: Tensor, fn: Tensor,
-                base: Tensor, scale: Tensor, mix: Tensor, rinv: Tensor, pre: Tensor, iters: int,
+                base: Tensor, scale: Tensor, mix: Tensor, rinv: Tensor, pre: Tensor, fn3: Tensor, iters: int,
                 eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     ctx = FnCtx()                                      # what _HcPre.forward leaves
     ctx.save_for_backward(x.contiguous(), fn.float().contiguous(), base.float().contiguous(),
-                          scale.float().contiguous(), mix, rinv, pre)
+                          scale.float().contiguous(), mix, rinv, pre, fn3)
     ctx.cfg = (int(iters), float(eps), fn.dtype, base.dtype, scale.dtype)
     dx, dfn, dbase, dscale, _, _, _ = T._HcPre.backward(ctx, du, dpost, dcomb)
     return dx, dfn, dbase, dscale
@@ -50,7 +52,7 @@ hc_pre_bwd = torch.library.custom_op("dsv4::hc_pre_bwd", mutates_args=())(_hc_pr
 
 
 @hc_pre_bwd.register_fake
-def _(du, dpost, dcomb, x, fn, base, scale, mix, rinv, pre, iters, eps):
+def _(du, dpost, dcomb, x, fn, base, scale, mix, rinv, pre, fn3, iters, eps):
     return x.new_empty(x.shape), fn.new_empty(fn.shape), base.new_empty(base.shape), scale.new_empty(scale.shape)
 
 
@@ -61,9 +63,9 @@ def _pre_setup(ctx, inputs, output):
 
 
 def _pre_backward(ctx, du, dpost, dcomb, *_extra):
-    x, fn, base, scale, mix, rinv, pre = ctx.saved_tensors
+    x, fn, base, scale, mix, rinv, pre, fn3 = ctx.saved_tensors
     bwd = backward_op(ctx, hc_pre_bwd, _hc_pre_bwd)
-    dx, dfn, dbase, dscale = bwd(du, dpost, dcomb, x, fn, base, scale, mix, rinv, pre, *ctx.cfg)
+    dx, dfn, dbase, dscale = bwd(du, dpost, dcomb, x, fn, base, scale, mix, rinv, pre, fn3, *ctx.cfg)
     return dx, dfn, dbase, dscale, None, None, None
 
 

@@ -489,8 +489,9 @@ def _pre_bwd_dx(X, FN3, DH3, CX, PRE, DU, DX, DFN, N, K, D, R, NK, NS: tl.conste
 
 
 def _project(x, fn32, norm_eps, base32=None, scale32=None, iters=1, eps=0.0):
-    """mix [N, RP] (normalised x·fnᵀ, zero-padded columns), rinv = rsqrt(mean(x²)+eps) [N], and the small map
-    (post [N, n], comb [N, n, n], pre [N, n]; zero base / unit scale when not given): `_proj` + `_pre_map`."""
+    """mix [N, RP] (normalised x·fnᵀ, zero-padded columns), rinv = rsqrt(mean(x²)+eps) [N], the small map
+    (post [N, n], comb [N, n, n], pre [N, n]; zero base / unit scale when not given) and fn's bf16 pieces fn3
+    [3, R, K] (kept for the backward's `_pre_bwd_dx`): `_split_bf16` + `_proj` + `_pre_map`."""
     N, n, d = x.shape
     R, K = fn32.shape
     RP = pow2(R)
@@ -500,7 +501,8 @@ def _project(x, fn32, norm_eps, base32=None, scale32=None, iters=1, eps=0.0):
     scale32 = torch.ones(3, **f32) if scale32 is None else scale32
     part = torch.empty(_SPLIT_MAX, N, RP, **f32)
     sq = torch.empty(_SPLIT_MAX, N, **f32)
-    _proj[lambda meta: (triton.cdiv(N, meta["BM"]), meta["SPLIT"])](x, _split_bf16(fn32), part, sq, N, K, R,
+    fn3 = _split_bf16(fn32)
+    _proj[lambda meta: (triton.cdiv(N, meta["BM"]), meta["SPLIT"])](x, fn3, part, sq, N, K, R,
                                                                      N.bit_length(), RP=RP, XB16=_bf16x(x),
                                                                      IEEE=_ieee(x))
     mix, rinv = torch.empty(N, RP, **f32), torch.empty(N, **f32)
@@ -509,7 +511,7 @@ def _project(x, fn32, norm_eps, base32=None, scale32=None, iters=1, eps=0.0):
                                                          tuned(_proj, "SPLIT"), int(iters), float(eps),
                                                          float(norm_eps), N.bit_length(), NS=n, NP=pow2(n, lo=1),
                                                          RP=RP)
-    return mix, rinv, post, comb, pre
+    return mix, rinv, post, comb, pre, fn3
 
 
 class _HcPre(torch.autograd.Function):
@@ -518,17 +520,17 @@ class _HcPre(torch.autograd.Function):
         x = x.contiguous()
         N, n, d = x.shape
         fn32, base32, scale32 = fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous()
-        mix, rinv, post, comb, pre = _project(x, fn32, norm_eps, base32, scale32, iters, eps)
+        mix, rinv, post, comb, pre, fn3 = _project(x, fn32, norm_eps, base32, scale32, iters, eps)
         u = torch.empty(N, d, device=x.device, dtype=x.dtype)
         _pre_agg[lambda meta: (triton.cdiv(N, meta["BM"]), triton.cdiv(d, meta["BD"]))](
             x, pre, u, N, d, N.bit_length(), NS=n, NP=pow2(n, lo=1))
-        ctx.save_for_backward(x, fn32, base32, scale32, mix, rinv, pre)
+        ctx.save_for_backward(x, fn32, base32, scale32, mix, rinv, pre, fn3)
         ctx.cfg = (int(iters), float(eps), fn.dtype, base.dtype, scale.dtype)
         return u, post, comb
 
     @staticmethod
     def backward(ctx, du, dpost, dcomb):
-        x, fn32, base32, scale32, mix, rinv, pre = ctx.saved_tensors
+        x, fn32, base32, scale32, mix, rinv, pre, fn3 = ctx.saved_tensors
         iters, eps, fdt, bdt, sdt = ctx.cfg
         N, n, d = x.shape
         R, K = fn32.shape
@@ -553,7 +555,7 @@ class _HcPre(torch.autograd.Function):
         dx = torch.empty_like(x)
         part = torch.empty(_DX_SPLIT_MAX, K, RP, **f32)
         _pre_bwd_dx[lambda meta: (n * triton.cdiv(d, meta["BD"]), meta["NSPLIT"])](
-            x, _split_bf16(fn32), dh3, cx, pre, du, dx, part, N, K, d, R, N.bit_length(), NS=n, RP=RP,
+            x, fn3, dh3, cx, pre, du, dx, part, N, K, d, R, N.bit_length(), NS=n, RP=RP,
             XB16=_bf16x(x), IEEE=_ieee(x))
         dfn = part[:tuned(_pre_bwd_dx, "NSPLIT"), :, :R].sum(0).t().contiguous()  # [R, n*d]
         return dx, dfn.to(fdt), dbase.to(bdt), dscale.to(sdt), None, None, None
