@@ -7,7 +7,8 @@
 #      the autotuner picked), one process per op.
 # Everything lands under $OUT: env.txt, bench_smoke.{json,log}, pytest_<file>.log, bench_kernels.json (+ D3/ and
 # P2/ bench_kernels.json for goldens/h200/), bench.log, summary.txt. Knobs: SKIP_TESTS=1, SKIP_BENCH=1, TOKENS,
-# TEST_TIMEOUT, BENCH_TIMEOUT, TESTS (test files), ONLY (bench ops); DSV4_GIT_SHA names the commit when the copy has no .git.
+# TEST_TIMEOUT, BENCH_TIMEOUT, SKIP_SMOKE=1, TESTS (test files), ONLY (bench ops), SEQS (the indexer / sparse-attention lengths, no
+# dense peer); DSV4_GIT_SHA names the commit when the copy has no .git.
 # Example: run(command="DSV4_GIT_SHA=<sha> bash harness/device/kernels_h200.sh")
 set -u
 export PYTHONUNBUFFERED=1
@@ -29,8 +30,10 @@ cat "$OUT/env.txt"
 : > "$OUT/summary.txt"
 note() { echo "$*" | tee -a "$OUT/summary.txt"; }
 
-timeout 120 bash -c "$BENCH --smoke --only compressor,mhc --out $OUT/bench_smoke.json" > /dev/null 2> "$OUT/bench_smoke.log"
-note "bench smoke rc=$?"
+if [ "${SKIP_SMOKE:-0}" != 1 ]; then
+  timeout 120 bash -c "$BENCH --smoke --only compressor,mhc --out $OUT/bench_smoke.json" > /dev/null 2> "$OUT/bench_smoke.log"
+  note "bench smoke rc=$?"
+fi
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   for t in ${TESTS:-kernels/compressor/test_compressor.py kernels/mhc/test_mhc.py kernels/test_custom_ops.py}; do
@@ -44,7 +47,7 @@ fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   s=$(date +%s)
   timeout "${BENCH_TIMEOUT:-420}" bash -c "$BENCH --only ${ONLY:-compressor,mhc} --tokens ${TOKENS:-16384,65536} --isolate \
-    --out $OUT/bench_kernels.json --out-dir $OUT" > /dev/null 2> "$OUT/bench.log"
+    ${SEQS:+--seqs $SEQS --no-dense-peer} --out $OUT/bench_kernels.json --out-dir $OUT" > /dev/null 2> "$OUT/bench.log"
   note "bench rc=$? $(( $(date +%s) - s ))s"
   python3 - "$OUT/bench_kernels.json" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
