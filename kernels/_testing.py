@@ -18,6 +18,11 @@ def use_interpreter() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of t (1-byte dtypes as uint8, 4-byte as int32): for bit-for-bit equality incl. NaN / -0."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t.view(torch.int32)
+
+
 def assert_rel(name: str, got: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
     """‖got - ref‖ / ‖ref‖ <= rel (bf16 GPU checks); NaN never passes; names the tensor on failure."""
     got, ref = got.double(), ref.double()

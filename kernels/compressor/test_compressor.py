@@ -85,15 +85,11 @@ def triton_cdiv(a, b):
     return -(-a // b)
 
 
-@pytest.mark.parametrize("lens,pads,first,D,m,overlap", CASES[:3] + CASES[4:7] + [([23, 17], [1, 0], 0, 5, 6, False)])
-@pytest.mark.parametrize("form", ["tile", "loop", "chunks"])
-def test_every_forward_form_matches_naive(lens, pads, first, D, m, overlap, form):
-    """The forward's forms, launched directly (the autotuner picks among them on the GPU; the CPU config is
-    LOOP): the [BE, MP, BD] tile with its softmax over the middle axis, the slot loop with an online softmax, and
-    (no overlap) the chunks of RC = 4 rows (m = 8: two full chunks; m = 6: a partial last chunk) with an online
-    softmax across chunks."""
-    if form == "chunks" and overlap:
-        pytest.skip("the chunked form is HCA's (no overlap)")
+@pytest.mark.parametrize("lens,pads,first,D,m,overlap", CASES[:3] + CASES[4:7])
+@pytest.mark.parametrize("loop", [False, True])
+def test_both_forward_forms_match_naive(lens, pads, first, D, m, overlap, loop):
+    """The forward's two forms, launched directly (the autotuner picks between them on the GPU; the CPU config is
+    LOOP): the [BE, MP, BD] tile with its softmax over the middle axis, and the slot loop with an online softmax."""
     from dsv4.kernels.compressor import naive
     from dsv4.kernels.compressor import triton as tri
     gen = torch.Generator(device=DEV).manual_seed(1)
@@ -109,7 +105,7 @@ def test_every_forward_form_matches_naive(lens, pads, first, D, m, overlap, form
     BE, BD, NIT = 2, 16, 2
     tri._pool_fwd.fn[(triton_cdiv(N, BE * NIT), triton_cdiv(D, BD))](
         kv, gate, ape, r0, hp, out, N, m, D, W, N.bit_length(), OVERLAP=overlap, MP=tri._mp(m, overlap),
-        BE=BE, BD=BD, NIT=NIT, LOOP=form == "loop", RC=4 if form == "chunks" else 0)
+        BE=BE, BD=BD, NIT=NIT, LOOP=loop)
     ref, *_ = naive.compress_pool(kv, gate, ape, m, overlap, seg, pos, first)
     assert_close("out", out, ref, 1e-5, 1e-5)       # fp32: the tests above' bound (measured 2.4e-7)
 

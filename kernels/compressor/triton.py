@@ -13,8 +13,7 @@ Three kernels, no PyTorch gather of rows:
                 one window) and every (token, channel) element is read by at most one entry: no element is read
                 twice, none is gathered into a copy. Softmax over the slots in fp32 per channel. Two forms, timed
                 against each other by the autotuner: the [BE, MP, BD] tile (softmax over its middle axis) and
-                LOOP (`_pool_online`: a loop over the window's rows with [BE, BD] tiles, online softmax);
-                HCA also the chunked form (`_pool_chunks`: [BE, RC, BD] tiles of RC rows, online across chunks).
+                LOOP (`_pool_online`: a loop over the window's rows with [BE, BD] tiles, online softmax).
   `_pool_bwd`   the same tiles: recomputes α, writes d value = α dout and d logit = α dout (value - out) in
                 place (each element belongs to at most one entry: plain stores, deterministic), and sums d logit
                 over its slots into a per-program d ape partial [m, coff*D] (fp32; reduced by one PyTorch sum
@@ -52,28 +51,18 @@ def _loop_cfgs():
                               (8, 512, 8), (32, 128, 8), (32, 256, 8)) for st in (2, 3)]
 
 
-def _chunk_cfgs():
-    """Forward configs of the chunked form (RC > 0, `_pool_chunks`; HCA only): [BE, RC, BD] tiles of 32 fp32
-    elements per thread, BD·2-byte row segments, the window's m rows in m / RC steps."""
-    return [dict(BE=be, BD=bd, NIT=1, LOOP=False, RC=rc, num_warps=w, num_stages=st)
-            for be, rc, bd, w in ((1, 16, 256, 4), (1, 32, 256, 8), (1, 16, 512, 8), (2, 16, 128, 4),
-                                  (1, 32, 128, 4), (2, 8, 256, 4), (1, 8, 512, 4)) for st in (2, 3)]
-
-
 def _fits(cfgs, args):
-    """The configs whose tile is 32 elements per thread (LOOP: any [BE, BD] tile; RC: only without overlap and
-    RC < m), BD at most the channel count (>= 64 unless the slots or channels are few); only the first of them for
-    a problem under 2^22 slot elements (not worth tuning)."""
+    """The configs whose tile is 32 elements per thread (LOOP: any [BE, BD] tile), BD at most the channel count
+    (>= 64 unless the slots or channels are few); only the first of them for a problem under 2^22 slot elements
+    (not worth tuning)."""
     mp, dp = args["MP"], pow2(args["D"])
-    chunk_ok = lambda c: not args["OVERLAP"] and c.kwargs["RC"] < args["m"]          # noqa: E731
-    kept = [c for c in cfgs if (chunk_ok(c) if c.kwargs.get("RC") else
-                                (c.kwargs.get("LOOP") or c.kwargs["BE"] * mp * c.kwargs["BD"] == 1024 * c.num_warps))
+    kept = [c for c in cfgs if (c.kwargs.get("LOOP") or c.kwargs["BE"] * mp * c.kwargs["BD"] == 1024 * c.num_warps)
             and c.kwargs["BD"] <= max(64, dp) and (c.kwargs["BD"] >= 64 or mp >= 64 or dp < 64)]
     return kept if args["N"] * mp * args["D"] >= 1 << 22 else kept[:1]
 
 
-_FWD = configs(gpu=[dict(c, LOOP=False, RC=0) for c in _pool_cfgs((1, 4))] + [dict(c, RC=0) for c in _loop_cfgs()]
-               + _chunk_cfgs(), cpu=dict(BE=2, BD=16, NIT=2, LOOP=True, RC=0), prune=_fits)
+_FWD = configs(gpu=[dict(c, LOOP=False) for c in _pool_cfgs((1, 4))] + _loop_cfgs(),
+               cpu=dict(BE=2, BD=16, NIT=2, LOOP=True), prune=_fits)
 _BWD = configs(gpu=_pool_cfgs((2, 8)), cpu=dict(BE=2, BD=16, NIT=2), prune=_fits)
 _KEY = ["m", "D", "NK", "OVERLAP", "MP"]                  # NK: log2 bucket of the slot count (key only)
 
@@ -196,52 +185,15 @@ def _pool_online(KV, GATE, APE, R0, HP, e, N, m, D, W, d0, OVERLAP: tl.constexpr
     return tl.where(ev[:, None] & (den > 0), acc / tl.where(den > 0, den, 1.0), 0.0)
 
 
-@triton.jit
-def _pool_chunks(KV, GATE, APE, R0, e, N, m, D, W, d0, BE: tl.constexpr, RC: tl.constexpr, BD: tl.constexpr):
-    """The chunked form (no overlap: HCA, m = 128): pooled [BE, BD] of slots e, the window's rows r0 .. r0+m-1 in
-    chunks of RC rows, [BE, RC, BD] tiles, an online softmax across the chunks: one exp per element plus one
-    rescale of the [BE, BD] sums per chunk (LOOP's row-by-row online softmax takes two exps per element; the
-    [BE, MP, BD] tile holds all m rows, so at m = 128 its BD is 32-64 channels: 64-128-byte row segments)."""
-    emask = e < N
-    r0 = tl.load(R0 + e, mask=emask, other=-1)
-    ev = r0 >= 0                                                                # [BE] slot holds an entry
-    offs_d = d0 + tl.arange(0, BD)
-    dmask = offs_d < D
-    rr = tl.arange(0, RC)
-    mx = tl.full([BE, BD], float("-inf"), tl.float32)
-    den = tl.zeros([BE, BD], tl.float32)
-    acc = tl.zeros([BE, BD], tl.float32)
-    for c0 in range(0, m, RC):
-        r = c0 + rr                                                             # [RC] window rows
-        ok = ev[:, None] & (r < m)[None, :]                                     # [BE, RC]
-        msk = ok[:, :, None] & dmask[None, None, :]                             # [BE, RC, BD]
-        off = (r0[:, None] + r[None, :])[:, :, None].to(tl.int64) * W + offs_d[None, None, :]
-        z = tl.load(GATE + off, mask=msk, other=0.0).to(tl.float32) + \
-            tl.load(APE + r[:, None] * W + offs_d[None, :], mask=(r < m)[:, None] & dmask[None, :], other=0.0)[None]
-        z = tl.where(ok[:, :, None], z, float("-inf"))
-        c = tl.load(KV + off, mask=msk, other=0.0).to(tl.float32)
-        m_new = tl.maximum(mx, tl.max(z, 1))                                    # [BE, BD]
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)                    # no row yet: every exp is 0
-        alpha = tl.exp(mx - m_ref)
-        p = tl.exp(z - m_ref[:, None, :])                                       # [BE, RC, BD]
-        den = den * alpha + tl.sum(p, 1)
-        acc = acc * alpha + tl.sum(p * c, 1)
-        mx = m_new
-    return tl.where(ev[:, None] & (den > 0), acc / tl.where(den > 0, den, 1.0), 0.0)
-
-
 @triton.autotune(**_FWD, key=_KEY)
 @triton.jit
 def _pool_fwd(KV, GATE, APE, R0, HP, OUT, N, m, D, W, NK,
               OVERLAP: tl.constexpr, MP: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, NIT: tl.constexpr,
-              LOOP: tl.constexpr, RC: tl.constexpr):
+              LOOP: tl.constexpr):
     d0 = tl.program_id(1) * BD
     for it in range(NIT):
         e = (tl.program_id(0) * NIT + it) * BE + tl.arange(0, BE)
-        if RC > 0:                                                              # chunked (no overlap only)
-            out = _pool_chunks(KV, GATE, APE, R0, e, N, m, D, W, d0, BE, RC, BD)
-            offs_d = d0 + tl.arange(0, BD)
-        elif LOOP:
+        if LOOP:
             out = _pool_online(KV, GATE, APE, R0, HP, e, N, m, D, W, d0, OVERLAP, BE, BD)
             offs_d = d0 + tl.arange(0, BD)
         else:                                                                   # the [BE, MP, BD] tile form

@@ -9,7 +9,7 @@ when the call qualifies, the reason otherwise); forward + gradients with a stand
 signature, SM90 checks and returns) passed explicitly == the pure Triton path (interpreter).
 GPU (skipped without CUDA SM90 and an importable cudnn-frontend): bf16 and FP8 vs naive and Triton at DSv4 indexer
 dims (nI 64, cI 128, ratio 4), packed ~9K and one 16K document; FP8 top-k recall vs bf16 >= 0.99."""
-from dsv4.kernels._testing import CUDA, assert_close, assert_rel, packed_meta, use_interpreter
+from dsv4.kernels._testing import CUDA, assert_close, assert_rel, bits, packed_meta, use_interpreter
 
 use_interpreter()
 
@@ -156,16 +156,12 @@ def test_fp8_split_of_the_fp8_features_is_exact():
 DEV = "cuda" if CUDA else "cpu"                        # the fp8_split tests: compiled Triton on a GPU host
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t.view(torch.int32)
-
-
 def _assert_split_same(x, use_triton=True):
     """fp8_split through the Triton quantiser == the `quantize` path, bit for bit."""
     (q, s), (qr, sr) = CF.fp8_split(x, use_triton=use_triton), CF.fp8_split(x, use_triton=False)
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
     assert q.shape == x.shape and s.shape == x.shape[:-1]
-    assert torch.equal(_bits(q), _bits(qr)) and torch.equal(_bits(s), _bits(sr))
+    assert torch.equal(bits(q), bits(qr)) and torch.equal(bits(s), bits(sr))
 
 
 def test_fp8_split_triton_equals_quantize():

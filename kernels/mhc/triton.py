@@ -218,7 +218,7 @@ def _proj(X, FN3, PART, SQ, N, K, R, NK, RP: tl.constexpr, XB16: tl.constexpr, I
 _MAP = configs(gpu=[dict(BM=32, num_warps=4), dict(BM=32, num_warps=8), dict(BM=32, num_warps=16),
                     dict(BM=16, num_warps=4), dict(BM=16, num_warps=8), dict(BM=64, num_warps=16)],
                cpu=dict(BM=16), prune=_small(lambda a: 1 << 13))
-_MAP_BM_MIN = 16                                # _MAP's smallest BM (sizes `_pre_bwd_map`'s per-program sums)
+_MAP_BM_MIN = min(c.kwargs["BM"] for c in _MAP["configs"])    # sizes `_pre_bwd_map`'s per-program sums
 
 
 @triton.autotune(**_MAP, key=["NK", "NS"])
@@ -334,7 +334,7 @@ def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH3, CX, ST, SB
     the same order as `_pre_map`), the input of every step stored in ST [2·iters-1, N, NP, NP] fp32 (scratch), then
     the steps are differentiated last to first from those inputs: O(iters) work per token (was an O(iters²)
     replay: 741 normalisations at 20 iters). This program's token sums: SB [programs, RP] of dz (-> dbase), SS
-    [programs, 4] of dz·mix over the pre / post / comb columns (-> dscale; the 4th 0)."""
+    [programs, 3] of dz·mix over the pre / post / comb columns (-> dscale)."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     mmask = offs_m < N
     j = tl.arange(0, NP)
@@ -402,12 +402,11 @@ def _pre_bwd_map(MIX, RINV, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, DH3, CX, ST, SB
     tl.store(DZ + offs_m[:, None] * RP + offs_r[None, :], dzr, mask=mmask[:, None])
     tl.store(CX + offs_m, -tl.sum(dmix * mixr, 1) * rinv * rinv / K, mask=mmask)
     ds = tl.sum(dzr * mixr, 0)                                  # [RP] this block's Σ_t dz·mix (rows past N: 0)
-    g0 = tl.sum(tl.where(offs_r < NS, ds, 0.0), 0)
-    g1 = tl.sum(tl.where((offs_r >= NS) & (offs_r < 2 * NS), ds, 0.0), 0)
-    g2 = tl.sum(tl.where(offs_r >= 2 * NS, ds, 0.0), 0)           # (columns past R: 0)
     tl.store(SB + tl.program_id(0) * RP + offs_r, tl.sum(dzr, 0))            # -> dbase
-    i4 = tl.arange(0, 4)
-    tl.store(SS + tl.program_id(0) * 4 + i4, tl.where(i4 == 0, g0, tl.where(i4 == 1, g1, tl.where(i4 == 2, g2, 0.0))))
+    ss = SS + tl.program_id(0) * 3                                           # -> dscale (columns past R: 0)
+    tl.store(ss, tl.sum(tl.where(offs_r < NS, ds, 0.0), 0))
+    tl.store(ss + 1, tl.sum(tl.where((offs_r >= NS) & (offs_r < 2 * NS), ds, 0.0), 0))
+    tl.store(ss + 2, tl.sum(tl.where(offs_r >= 2 * NS, ds, 0.0), 0))
 
 
 _DX_SPLIT_MAX = 16
@@ -545,13 +544,13 @@ class _HcPre(torch.autograd.Function):
         dh3 = torch.empty(3, N, RP, device=x.device, dtype=torch.bfloat16)     # dh's bf16 pieces
         steps = torch.empty(max(2 * iters - 1, 1), N, NP, NP, **f32)         # Sinkhorn step inputs (scratch)
         P = triton.cdiv(N, _MAP_BM_MIN)                                        # per-program dbase / dscale sums
-        sb, ss = torch.empty(P, RP, **f32), torch.empty(P, 4, **f32)
+        sb, ss = torch.empty(P, RP, **f32), torch.empty(P, 3, **f32)
         _pre_bwd_map[lambda meta: (triton.cdiv(N, meta["BM"]),)](mix, rinv, base32, scale32, dpre, dpost, dcomb, dz,
                                                                  dh3, cx, steps, sb, ss, N, K, R, iters, eps,
                                                                  N.bit_length(), NS=n, NP=NP, RP=RP)
         del steps
         P = triton.cdiv(N, tuned(_pre_bwd_map, "BM"))
-        dbase, dscale = sb[:P, :R].sum(0), ss[:P, :3].sum(0)                    # dscale: pre, post, comb
+        dbase, dscale = sb[:P, :R].sum(0), ss[:P].sum(0)                        # dscale: pre, post, comb
         dx = torch.empty_like(x)
         part = torch.empty(_DX_SPLIT_MAX, K, RP, **f32)
         _pre_bwd_dx[lambda meta: (n * triton.cdiv(d, meta["BD"]), meta["NSPLIT"])](

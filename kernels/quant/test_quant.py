@@ -4,7 +4,7 @@ float8 bytes, -0 and NaN's sign included) and scales (their fp32 bits), at odd s
 rounding tie; the ue8m0 scale at its boundaries; fp32 / bf16 / fp16 and strided inputs. On CPU: Triton's
 interpreter (no tl.dot here, so its bf16 dot problem does not arise; bf16 loads are exact and tested). Also the
 custom op (opcheck) and FP8Linear with the Triton quantiser == with the exact one (outputs and gradients)."""
-from dsv4.kernels._testing import CUDA, use_interpreter
+from dsv4.kernels._testing import CUDA, bits, use_interpreter
 
 use_interpreter()
 
@@ -21,16 +21,12 @@ DEV = "cuda" if CUDA else "cpu"
 BLOCKS = ((1, 128), (128, 128), None)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t.view(torch.int32)
-
-
 def assert_same(got, ref, what):
     assert len(got) == len(ref), what
     for i, (g, r) in enumerate(zip(got, ref)):
         assert g.dtype == r.dtype and g.shape == r.shape, f"{what} output {i}: {g.dtype}{tuple(g.shape)} vs " \
                                                           f"{r.dtype}{tuple(r.shape)}"
-        bad = _bits(g) != _bits(r)
+        bad = bits(g) != bits(r)
         assert not bad.any(), f"{what} output {i}: {int(bad.sum())} differ, first at " \
                               f"{bad.nonzero()[0].tolist()}: {g[bad][:3].float()} vs {r[bad][:3].float()}"
 
