@@ -4,18 +4,20 @@ from __future__ import annotations
 import triton
 
 
-def configs(gpu: list[dict], cpu: dict, prune=None, **meta) -> dict:
+def configs(gpu: list[dict], cpu: dict, prune=None, pre_hook=None, **meta) -> dict:
     """Autotune arguments `@triton.autotune(**configs(...), key=...)`: all configs (the `gpu` list and the single
     `cpu` one), and an early prune that picks by the launch's tensor device at call time (`on_cpu`): CPU
     tensors (Triton's interpreter) get the one `cpu` config (no benchmarking), CUDA tensors the `gpu` list,
     narrowed by `prune(configs, launch_args) -> configs` when given (e.g. a tile-size budget that depends on a
     constexpr of the launch, or one config for a problem too small to tune; at least one must survive).
 
-    Each dict holds the kernel's block sizes plus optional `num_warps` / `num_stages`."""
+    Each dict holds the kernel's block sizes plus optional `num_warps` / `num_stages`. `pre_hook(nargs)` runs
+    before every launch of a config (Triton's Config.pre_hook: e.g. setting a host TMA descriptor's block shape
+    from the config's block sizes)."""
     def make(c):
         c = dict(c)
         w, s = c.pop("num_warps", 4), c.pop("num_stages", 2)
-        return triton.Config({**c, **meta}, num_warps=w, num_stages=s)
+        return triton.Config({**c, **meta}, num_warps=w, num_stages=s, pre_hook=pre_hook)
 
     gpu_cfgs, cpu_cfgs = [make(c) for c in gpu], [make(cpu)]
 

@@ -53,6 +53,23 @@ def test_scores_match_naive(lens, pads, nI, cI, ratio):
             assert_rel(n, a, b, 2e-2)
 
 
+@pytest.mark.parametrize("cI", [16, 32, 20])
+def test_scores_fwd_tma_and_address_paths(monkeypatch, cI):
+    """The forward's two qI loads -- the TMA descriptor (cI a power of two) and per-element addresses (forced, and
+    cI = 20 where no descriptor is made) -- each equal naive on a packed stream with padding, and each other."""
+    q, k, w, meta = _inputs([9, 21, 3, 14], [1, 0, 2, 3], 3, cI, 4, torch.float32, seed=cI)
+    ref = indexer_scores(q, k, w, 4, *meta, backend="naive").detach()
+    fin = torch.isfinite(ref)
+    assert (tri._q_desc(q) is None) == (cI == 20)
+    got = {"desc": tri._launch_fwd(q.detach(), k.detach(), w.detach(), 4, tri._meta(*meta))}
+    monkeypatch.setattr(tri, "_q_desc", lambda qI: None)
+    got["addr"] = tri._launch_fwd(q.detach(), k.detach(), w.detach(), 4, tri._meta(*meta))
+    for name, I in got.items():
+        assert torch.equal(torch.isfinite(I), fin) and (I[~fin] == float("-inf")).all(), name
+        assert_close(f"I ({name})", I[fin], ref[fin], 1e-5, 1e-5)
+    assert torch.equal(got["desc"], got["addr"])
+
+
 def _holes(meta, every_q=61, every_e=37):
     """The metadata with padding tokens inside documents (every `every_q`-th token) and empty entry slots inside a
     document's entries (every `every_e`-th valid slot): still a stream-ordered layout, so that the unmasked core

@@ -2,9 +2,10 @@
 
 `indexer_scores` (same contract as `naive.indexer_scores`, packed stream with document metadata):
     I[t,n] = Σ_h (w[t,h]·nI^-1/2) · ReLU(qI[t,h] · kI[n]) · cI^-1/2,   -inf unless entry n is visible to query t
-Forward: one program per (block of BT queries, block of BJ entries); the kI tile stays in registers
-while the loop over the nI heads does [BT, cI]·[cI, BJ] tensor-core products with the ReLU-weighted head sum
-as the epilogue, so the [Tq, nI, N] per-head logits never exist; tiles outside every query's visible entry
+Forward: one program per (block of BT queries, block of BJ entries); the kI tile goes to shared memory once and
+is the A operand of [BJ, cI]·[cI, BT] tensor-core products, one a head, the qI tiles streaming in by TMA (a host
+descriptor; per-element addresses where cI is not a power of two), with the ReLU-weighted head sum as the
+epilogue, so the [Tq, nI, N] per-head logits never exist; tiles outside every query's visible entry
 range (kernels/_varlen.py: other documents, not yet complete entries) are written as -inf without any product.
 Backward (`scores_bwd`): two deterministic kernels that recompute the per-head logits (dq, dw per (query block,
 head group); partial dk per (entry block, head group), summed by PyTorch), no atomics; unmasked core tiles and
@@ -19,14 +20,32 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsv4.kernels._triton_util import configs, on_cpu, pow2, tuned
 from dsv4.kernels._varlen import entry_cores, entry_ranges, query_cores, query_ranges
 
 from . import naive, topk
 
-_FWD_CONFIGS = configs(gpu=[dict(BT=64, BJ=64, num_warps=4, num_stages=3), dict(BT=128, BJ=64, num_warps=8, num_stages=3)],
-                       cpu=dict(BT=16, BJ=16))
+# Forward tiles. Every (query block, entry block) program re-reads its queries' nI·cI features (BT x 16 KB at
+# nI 64, cI 128) for a [BT, BJ] score tile, so the L2 -> SM traffic of qI is Tq·nI·cI·2 · N/BJ bytes: at BJ 64 and
+# 16K tokens ~8.6 GB a call (~1.2 ms at L2 rate) against 0.55 TFLOP (1.2 ms at 450 TFLOP/s); BJ 128 / 256 halve /
+# quarter it. JF (entry blocks fastest in the launch order): the programs that run together share one query
+# block (one BT x 16 KB block live in L2) instead of one entry block (a whole chunk of query features live, 64 MB
+# for a 4096-row chunk at nI 64 -- more than the H200's L2). Both are tuner choices. Offline sm_90a compile
+# (Triton 3.9, ptxas), registers a thread: (64, 64, 4 warps) 168, (64, 64, 8) 117, (64, 128, 8) 169, (32, 256, 8)
+# 180, no spills; (64, 256, 8) and (128, 128, 8) reach 255 with spills outside the head loop (prologue / epilogue).
+_FWD_CONFIGS = configs(gpu=[dict(BT=bt, BJ=bj, JF=jf, num_warps=w, num_stages=3)
+                            for bt, bj, w in ((64, 64, 4), (64, 64, 8), (64, 128, 8), (32, 256, 8), (64, 256, 8),
+                                              (128, 128, 8))
+                            for jf in (False, True)],
+                       cpu=dict(BT=16, BJ=16, JF=True), pre_hook=lambda a: _q_block(a))
+
+
+def _q_block(nargs):
+    """Autotune pre-hook: the qI descriptor's block is the config's [BT, BC] query tile."""
+    if nargs.get("QD") is not None:
+        nargs["QD"].block_shape = [nargs["BT"], nargs["BC"]]
 
 
 @triton.jit
@@ -41,33 +60,47 @@ def _visible(SEGQ, POSQ, ESEG, EJ, offs_t, offs_j, tmask, jmask, ratio):
 
 @triton.autotune(**_FWD_CONFIGS, key=["NH", "BC"])
 @triton.jit
-def _scores_fwd(Q, K, Wt, I, SEGQ, POSQ, ESEG, EJ, ELO, EHI, S, T, NH, C, ratio, coef,
+def _scores_fwd(Q, QD, K, Wt, I, SEGQ, POSQ, ESEG, EJ, ELO, EHI, S, T, NH, C, ratio, coef,
                 sq_s, sq_h, sk_t, sw_s, si_s,
-                BC: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr):
-    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
-    offs_j = tl.program_id(1) * BJ + tl.arange(0, BJ)
+                BC: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, JF: tl.constexpr):
+    if JF:                                                      # launch order: entry blocks fastest
+        pt, pj = tl.program_id(1), tl.program_id(0)
+    else:
+        pt, pj = tl.program_id(0), tl.program_id(1)
+    offs_t = pt * BT + tl.arange(0, BT)
+    offs_j = pj * BJ + tl.arange(0, BJ)
     offs_c = tl.arange(0, BC)
     tmask, jmask, cmask = offs_t < S, offs_j < T, offs_c < C
-    out_off = offs_t[:, None].to(tl.int64) * si_s + offs_j[None, :]
-    omask = tmask[:, None] & jmask[None, :]
     lo = tl.min(tl.load(ELO + offs_t, mask=tmask, other=2147483647), 0)
     hi = tl.max(tl.load(EHI + offs_t, mask=tmask, other=0), 0)
-    j0 = tl.program_id(1) * BJ
+    j0 = pj * BJ
     if (j0 >= hi) | (j0 + BJ <= lo):                            # no query of the tile sees these entries
-        tl.store(I + out_off, tl.full([BT, BJ], float("-inf"), tl.float32), mask=omask)
+        tl.store(I + offs_t[:, None].to(tl.int64) * si_s + offs_j[None, :],
+                 tl.full([BT, BJ], float("-inf"), tl.float32), mask=tmask[:, None] & jmask[None, :])
     else:
         k = tl.load(K + offs_j[:, None] * sk_t + offs_c[None, :], mask=jmask[:, None] & cmask[None, :], other=0.0)
-        acc = tl.zeros([BT, BJ], tl.float32)
-        q_ptr = Q + offs_t[:, None].to(tl.int64) * sq_s + offs_c[None, :]
+        acc = tl.zeros([BJ, BT], tl.float32)
         w_ptr = Wt + offs_t.to(tl.int64) * sw_s
+        if QD is None:                                          # per-element addresses (cI not a power of 2)
+            q_blk = Q + (pt * BT).to(tl.int64) * sq_s
+            q_off = tl.arange(0, BT)[:, None] * sq_s + offs_c[None, :]
         for h in range(0, NH):
-            q = tl.load(q_ptr + h * sq_h, mask=tmask[:, None] & cmask[None, :], other=0.0)
+            if QD is None:
+                q = tl.load(q_blk + h * sq_h + q_off, mask=tmask[:, None] & cmask[None, :], other=0.0)
+            else:   # TMA: head h's [BT, cI] tile of qI viewed as [Tq, nI·cI]; rows past Tq read as zeros. No
+                    # [BT, BC] address / mask tensors live through the loop (with them the kernel spilled)
+                q = QD.load([pt * BT, h * BC])
             wh = tl.load(w_ptr + h, mask=tmask, other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC)                          # [BT, BJ]
-            acc += tl.maximum(s, 0.0) * wh[:, None]
+            # kI tile as the A operand ([BJ, cI] · [cI, BT]): it goes to shared memory once, before the loop (as
+            # the B operand of qI · kIᵀ, Triton re-stored it from registers every head: 64 registers a thread
+            # held and a [BJ, cI] shared-memory store a head)
+            s = tl.dot(k, tl.trans(q), input_precision=PREC)                          # [BJ, BT]
+            acc += tl.maximum(s, 0.0) * wh[None, :]
+        acc = tl.trans(acc)                                                           # [BT, BJ]
         vis = _visible(SEGQ, POSQ, ESEG, EJ, offs_t, offs_j, tmask, jmask, ratio)
         acc = tl.where(vis, acc * coef, float("-inf"))
-        tl.store(I + out_off, acc, mask=omask)
+        # the output offsets formed after the loop: [BT, BJ] int64 live through it cost BT·BJ·2/threads registers
+        tl.store(I + offs_t[:, None].to(tl.int64) * si_s + offs_j[None, :], acc, mask=tmask[:, None] & jmask[None, :])
 
 
 # ------------------------------------------------------------------ dense scores backward
@@ -262,6 +295,16 @@ def _meta(seg_q, pos_q, entry_seg, entry_j):
     return [x.contiguous() for x in (seg_q, pos_q, entry_seg, entry_j)]
 
 
+def _q_desc(qI):
+    """A host TMA descriptor of contiguous qI [Tq, nI, cI] viewed as [Tq, nI·cI] (block shape set per config by
+    `_q_block`), or None where TMA cannot take it: cI not a power of two >= 16 (a tile would reach into the next
+    head), a row stride or base not 16-byte aligned."""
+    S, nI, cI = qI.shape
+    if cI != pow2(cI) or (nI * cI * qI.element_size()) % 16 or qI.data_ptr() % 16:
+        return None
+    return TensorDescriptor(qI, [S, nI * cI], [nI * cI, 1], [16, cI])
+
+
 def _launch_fwd(qI, kI, w, ratio, meta):
     """Scores [Tq, N] fp32 of query rows with metadata `meta` = (seg_q, pos_q, entry_seg, entry_j)."""
     qI, kI, w = qI.contiguous(), kI.contiguous(), w.contiguous()
@@ -270,8 +313,9 @@ def _launch_fwd(qI, kI, w, ratio, meta):
     I = torch.empty(S, T, device=qI.device, dtype=torch.float32)
     if S and T:
         lo, hi = entry_ranges(*meta, ratio)
-        grid = lambda m: (triton.cdiv(S, m["BT"]), triton.cdiv(T, m["BJ"]))
-        _scores_fwd[grid](qI, kI, w, I, *meta, lo, hi, S, T, nI, cI, ratio, nI ** -0.5 * cI ** -0.5,
+        grid = lambda m: ((triton.cdiv(T, m["BJ"]), triton.cdiv(S, m["BT"])) if m["JF"] else
+                          (triton.cdiv(S, m["BT"]), triton.cdiv(T, m["BJ"])))
+        _scores_fwd[grid](qI, _q_desc(qI), kI, w, I, *meta, lo, hi, S, T, nI, cI, ratio, nI ** -0.5 * cI ** -0.5,
                           *_strides(qI, kI, w, I), BC=pow2(cI), PREC=_prec(qI))
     return I
 
