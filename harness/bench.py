@@ -334,6 +334,7 @@ def _bench_indexer(seqs, log):
             fl = 2.0 * nI * cI * pairs
             row.update(fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=fl / fwd * 1e-9, bwd_tflops_useful=2 * fl / bwd * 1e-9,
                        bwd_tflops_executed=4 * fl / bwd * 1e-9, fwd_config=str(tri._scores_fwd.best_config),
+                       fwd_tuned_ms=_tuned_ms(tri._scores_fwd),
                        # the dense scoring backward's two kernels (the dense warm-up's KL path): the tuner's pick
                        # and its in-process timing of every config (ms, the A/B; from this S's tuning run unless
                        # an earlier S had the same tuning key)

@@ -39,7 +39,8 @@ _FWD_CONFIGS = configs(gpu=[dict(BT=bt, BJ=bj, JF=jf, num_warps=w, num_stages=3)
                             for bt, bj, w in ((64, 64, 4), (64, 64, 8), (64, 128, 8), (32, 256, 8), (64, 256, 8),
                                               (128, 128, 8))
                             for jf in (False, True)],
-                       cpu=dict(BT=16, BJ=16, JF=True), pre_hook=lambda a: _q_block(a))
+                       cpu=dict(BT=16, BJ=16, JF=True), pre_hook=lambda a: _q_block(a),
+                       prune=lambda cfgs, a: cfgs if a["BIG"] else cfgs[:1])   # small problems: not worth tuning
 
 
 def _q_block(nargs):
@@ -58,10 +59,10 @@ def _visible(SEGQ, POSQ, ESEG, EJ, offs_t, offs_j, tmask, jmask, ratio):
     return (es[None, :] == sq[:, None]) & (sq[:, None] >= 0) & (ej[None, :] < ((pq + 1) // ratio)[:, None])
 
 
-@triton.autotune(**_FWD_CONFIGS, key=["NH", "BC"])
+@triton.autotune(**_FWD_CONFIGS, key=["NH", "BC", "BIG"])
 @triton.jit
 def _scores_fwd(Q, QD, K, Wt, I, SEGQ, POSQ, ESEG, EJ, ELO, EHI, S, T, NH, C, ratio, coef,
-                sq_s, sq_h, sk_t, sw_s, si_s,
+                sq_s, sq_h, sk_t, sw_s, si_s, BIG,                  # BIG: S·T·NH >= 2^27 (tuning key only)
                 BC: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr, BJ: tl.constexpr, JF: tl.constexpr):
     if JF:                                                      # launch order: entry blocks fastest
         pt, pj = tl.program_id(1), tl.program_id(0)
@@ -316,7 +317,7 @@ def _launch_fwd(qI, kI, w, ratio, meta):
         grid = lambda m: ((triton.cdiv(T, m["BJ"]), triton.cdiv(S, m["BT"])) if m["JF"] else
                           (triton.cdiv(S, m["BT"]), triton.cdiv(T, m["BJ"])))
         _scores_fwd[grid](qI, _q_desc(qI), kI, w, I, *meta, lo, hi, S, T, nI, cI, ratio, nI ** -0.5 * cI ** -0.5,
-                          *_strides(qI, kI, w, I), BC=pow2(cI), PREC=_prec(qI))
+                          *_strides(qI, kI, w, I), int(S * T * nI >= 1 << 27), BC=pow2(cI), PREC=_prec(qI))
     return I
 
 
