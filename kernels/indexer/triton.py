@@ -13,7 +13,7 @@ masked boundary tiles (the section's comment below).
 
 Top-k is topk.py (radix select; same contract as `naive.indexer_topk`). NOT a streaming top-k: it reads the
 dense score rows. `indexer_select` chains scores and top-k per chunk of query rows, so the full [S, B, T] score
-matrix is never held: peak memory O(chunk · T) instead of O(S · T).
+matrix is never held: peak memory O(chunk · T) (at most 256 MiB of scores) instead of O(S · T).
 """
 from __future__ import annotations
 
@@ -35,10 +35,13 @@ from . import naive, topk
 # for a 4096-row chunk at nI 64 -- more than the H200's L2). Both are tuner choices. Offline sm_90a compile
 # (Triton 3.9, ptxas), registers a thread: (64, 64, 4 warps) 168, (64, 64, 8) 117, (64, 128, 8) 169, (32, 256, 8)
 # 180, no spills; (64, 256, 8) and (128, 128, 8) reach 255 with spills outside the head loop (prologue / epilogue).
+# Timed on the H200 at 16K tokens (nI 64, fc22c6d, CUDA-graph device time of one call; `.ab` A/B in PERF_NOTES):
+# (64, 64, 4 warps) 1.50 ms with JF / 1.71 without; (64, 256, 8) 1.74 / 1.78; (64, 64, 8) 1.77 / 2.28; (128, 128,
+# 8) 1.80 / 1.94; (64, 128, 8) 1.87 / 2.02; (32, 256, 8) 2.10 / 2.14 (the 3214bcf kernel: 1.95). The tuner keeps
+# the first four with JF and (64, 64, 4) without.
 _FWD_CONFIGS = configs(gpu=[dict(BT=bt, BJ=bj, JF=jf, num_warps=w, num_stages=3)
-                            for bt, bj, w in ((64, 64, 4), (64, 64, 8), (64, 128, 8), (32, 256, 8), (64, 256, 8),
-                                              (128, 128, 8))
-                            for jf in (False, True)],
+                            for bt, bj, w, jf in ((64, 64, 4, True), (64, 64, 4, False), (64, 256, 8, True),
+                                                  (64, 64, 8, True), (128, 128, 8, True))],
                        cpu=dict(BT=16, BJ=16, JF=True), pre_hook=lambda a: _q_block(a),
                        prune=lambda cfgs, a: cfgs if a["BIG"] else cfgs[:1])   # small problems: not worth tuning
 
@@ -399,12 +402,20 @@ def indexer_scores(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: i
     return _IndexerScores.apply(qI, kI, w, int(ratio), seg_q, pos_q, entry_seg, entry_j)
 
 
+SELECT_BLOCK_BYTES = 1 << 28      # the [chunk, N] fp32 score block of `indexer_select`: at most 256 MiB
+
+
 def indexer_select(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: int, k: int, seg_q: torch.Tensor,
                    pos_q: torch.Tensor, entry_seg: torch.Tensor, entry_j: torch.Tensor,
-                   chunk: int = 4096) -> torch.Tensor:
+                   chunk: int | None = None) -> torch.Tensor:
     """== indexer_topk(indexer_scores(qI, kI, w, ratio, ...), k), computed per chunk of query rows so that only
-    a [chunk, N] block of scores exists at a time (no autograd)."""
+    a [chunk, N] block of scores exists at a time (no autograd). chunk None: the most rows (a multiple of 4096, at
+    least 4096) whose fp32 block fits SELECT_BLOCK_BYTES -- few launches: each scoring launch ends in a tail of
+    part-empty waves (on the H200 at 16K tokens, 4 chunks of 4096 rows took 1.80 ms of scoring against 1.50 for
+    one launch of all 16384, fc22c6d)."""
     S = qI.shape[0]
+    if chunk is None:
+        chunk = max(1, SELECT_BLOCK_BYTES // (4 * max(kI.shape[0], 1) * 4096)) * 4096
     outs = []
     with torch.no_grad():
         for s0 in range(0, S, chunk):

@@ -1,0 +1,91 @@
+"""A/B of the indexer scoring forward, this checkout vs an older kernels/indexer/triton.py (file OLD, e.g. from
+`git show 3214bcf:kernels/indexer/triton.py`), in one process on a GPU: every GPU config of the new kernel forced,
+one 16K-token call and the four 4096-row chunks of `indexer_select` (CUDA-graph device time), and the whole select
+of both (graph and eager). Writes $OUT/indexer_fwd_ab.json. Run with the shim on PYTHONPATH (harness/device/shim.sh)."""
+import importlib.util
+import json
+import os
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from dsv4.harness.bench import _graph_ms
+from dsv4.kernels.indexer import triton as new
+
+spec = importlib.util.spec_from_file_location("dsv4.kernels.indexer.triton_old", os.environ["OLD"])
+old = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(old)
+
+S, nI, cI, ratio, k = 16384, 64, 128, 4, 512
+T = S // ratio
+g = torch.Generator(device="cuda").manual_seed(1)
+q = torch.randn(S, nI, cI, device="cuda", generator=g, dtype=torch.bfloat16)
+kk = torch.randn(T, cI, device="cuda", generator=g, dtype=torch.bfloat16)
+w = torch.randn(S, nI, device="cuda", generator=g, dtype=torch.bfloat16)
+t = torch.arange(S, device="cuda")
+meta = (torch.zeros(S, dtype=torch.long, device="cuda"), t, torch.zeros(T, dtype=torch.long, device="cuda"), torch.arange(T, device="cuda"))
+pairs = ((t + 1) // ratio).clamp(max=T).sum().item()
+fl = 2.0 * nI * cI * pairs
+ref = old._launch_fwd(q, kk, w, ratio, old._meta(*meta))
+res = {"S": S, "flops": fl}
+
+def chunks(launch):
+    def f():
+        for s0 in range(0, S, 4096):
+            launch(q[s0:s0 + 4096], meta[0][s0:s0 + 4096], meta[1][s0:s0 + 4096], w[s0:s0 + 4096])
+    return f
+
+def sel(mod):
+    return lambda: mod.indexer_select(q, kk, w, ratio, k, *meta)
+
+res["old_full_ms"] = _graph_ms(lambda: old._launch_fwd(q, kk, w, ratio, old._meta(*meta)))
+res["old_chunks_ms"] = _graph_ms(chunks(lambda qq, sq, pq, ww: old._launch_fwd(qq, kk, ww, ratio, old._meta(sq, pq, meta[2], meta[3]))))
+res["old_config"] = str(old._scores_fwd.best_config)
+try:
+    res["old_select_graph_ms"] = _graph_ms(sel(old))
+except Exception as e:
+    res["old_select_graph_err"] = repr(e)[:200]
+res["old_select_eager_ms"] = do_bench(sel(old), rep=200)
+
+kern = new._scores_fwd.fn
+cfgs = [c for c in new._scores_fwd.configs if c.kwargs.get("BT", 0) >= 32]
+per = {}
+for c in cfgs:
+    def launch(qq, sq, pq, ww=w, c=c):
+        qq = qq.contiguous()
+        m = new._meta(sq, pq, meta[2], meta[3])
+        Sq = qq.shape[0]
+        I = torch.empty(Sq, T, device="cuda", dtype=torch.float32)
+        lo, hi = new.entry_ranges(*m, ratio)
+        d = new._q_desc(qq)
+        d.block_shape = [c.kwargs["BT"], 128]
+        grid = (triton.cdiv(T, c.kwargs["BJ"]), triton.cdiv(Sq, c.kwargs["BT"])) if c.kwargs["JF"] else (triton.cdiv(Sq, c.kwargs["BT"]), triton.cdiv(T, c.kwargs["BJ"]))
+        kern[grid](qq, d, kk, ww, I, *m, lo, hi, Sq, T, nI, cI, ratio, nI ** -0.5 * cI ** -0.5,
+                   qq.stride(0), qq.stride(1), kk.stride(0), ww.stride(0), I.stride(0), 1, BC=128, PREC="tf32",
+                   num_warps=c.num_warps, num_stages=c.num_stages, **c.kwargs)
+        return I
+    key = str(c.kwargs) + f" w{c.num_warps} s{c.num_stages}"
+    try:
+        I = launch(q, meta[0], meta[1])
+        fin = torch.isfinite(ref)
+        ok = bool(torch.equal(fin, torch.isfinite(I))) and float(((I - ref)[fin]).abs().max() / ref[fin].abs().max()) < 1e-2
+        per[key] = {"full_ms": _graph_ms(lambda: launch(q, meta[0], meta[1])), "chunks_ms": _graph_ms(chunks(launch)), "ok": ok}
+        per[key]["full_tflops"] = fl / per[key]["full_ms"] * 1e-9
+    except Exception as e:
+        per[key] = {"error": repr(e)[:300]}
+    print(key, per[key], flush=True)
+res["new_per_config"] = per
+res["new_full_tuned_ms"] = _graph_ms(lambda: new._launch_fwd(q, kk, w, ratio, new._meta(*meta)))
+res["new_config"] = str(new._scores_fwd.best_config)
+try:
+    res["new_select_graph_ms"] = _graph_ms(sel(new))
+except Exception as e:
+    res["new_select_graph_err"] = repr(e)[:200]
+res["new_select_eager_ms"] = do_bench(sel(new), rep=200)
+res["old_full_tflops"] = fl / res["old_full_ms"] * 1e-9
+for kk_ in ("old_select_graph_ms", "new_select_graph_ms", "old_select_eager_ms", "new_select_eager_ms"):
+    if kk_ in res:
+        res[kk_.replace("_ms", "_tflops")] = fl / res[kk_] * 1e-9
+print(json.dumps({k: v for k, v in res.items() if k != "new_per_config"}, indent=1))
+json.dump(res, open(os.environ.get("OUT", "/tmp") + "/indexer_fwd_ab.json", "w"), indent=1)
