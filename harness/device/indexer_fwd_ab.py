@@ -36,17 +36,19 @@ def chunks(launch):
             launch(q[s0:s0 + 4096], meta[0][s0:s0 + 4096], meta[1][s0:s0 + 4096], w[s0:s0 + 4096])
     return f
 
-def sel(mod):
-    return lambda: mod.indexer_select(q, kk, w, ratio, k, *meta)
+def time_select(mod, tag):
+    """res[<tag>_select_graph_ms] (or its capture error) and res[<tag>_select_eager_ms] of mod.indexer_select."""
+    sel = lambda: mod.indexer_select(q, kk, w, ratio, k, *meta)      # noqa: E731
+    try:
+        res[f"{tag}_select_graph_ms"] = _graph_ms(sel)
+    except Exception as e:  # noqa: BLE001
+        res[f"{tag}_select_graph_err"] = repr(e)[:200]
+    res[f"{tag}_select_eager_ms"] = do_bench(sel, rep=200)
 
 res["old_full_ms"] = _graph_ms(lambda: old._launch_fwd(q, kk, w, ratio, old._meta(*meta)))
 res["old_chunks_ms"] = _graph_ms(chunks(lambda qq, sq, pq, ww: old._launch_fwd(qq, kk, ww, ratio, old._meta(sq, pq, meta[2], meta[3]))))
 res["old_config"] = str(old._scores_fwd.best_config)
-try:
-    res["old_select_graph_ms"] = _graph_ms(sel(old))
-except Exception as e:
-    res["old_select_graph_err"] = repr(e)[:200]
-res["old_select_eager_ms"] = do_bench(sel(old), rep=200)
+time_select(old, "old")
 
 kern = new._scores_fwd.fn
 cfgs = [c for c in new._scores_fwd.configs if c.kwargs.get("BT", 0) >= 32]
@@ -78,11 +80,7 @@ for c in cfgs:
 res["new_per_config"] = per
 res["new_full_tuned_ms"] = _graph_ms(lambda: new._launch_fwd(q, kk, w, ratio, new._meta(*meta)))
 res["new_config"] = str(new._scores_fwd.best_config)
-try:
-    res["new_select_graph_ms"] = _graph_ms(sel(new))
-except Exception as e:
-    res["new_select_graph_err"] = repr(e)[:200]
-res["new_select_eager_ms"] = do_bench(sel(new), rep=200)
+time_select(new, "new")
 res["old_full_tflops"] = fl / res["old_full_ms"] * 1e-9
 for kk_ in ("old_select_graph_ms", "new_select_graph_ms", "old_select_eager_ms", "new_select_eager_ms"):
     if kk_ in res:
