@@ -56,18 +56,22 @@ def test_scores_match_naive(lens, pads, nI, cI, ratio):
 @pytest.mark.parametrize("cI", [16, 32, 20])
 def test_scores_fwd_tma_and_address_paths(monkeypatch, cI):
     """The forward's two qI loads -- the TMA descriptor (cI a power of two) and per-element addresses (forced, and
-    cI = 20 where no descriptor is made) -- each equal naive on a packed stream with padding, and each other."""
+    cI = 20 where no descriptor is made) -- and both launch orders (JF, forced configs) each equal naive on a packed
+    stream with padding, and each other."""
     q, k, w, meta = _inputs([9, 21, 3, 14], [1, 0, 2, 3], 3, cI, 4, torch.float32, seed=cI)
     ref = indexer_scores(q, k, w, 4, *meta, backend="naive").detach()
     fin = torch.isfinite(ref)
     assert (tri._q_desc(q) is None) == (cI == 20)
-    got = {"desc": tri._launch_fwd(q.detach(), k.detach(), w.detach(), 4, tri._meta(*meta))}
+    args = (q.detach(), k.detach(), w.detach(), 4, tri._meta(*meta))
+    got = {"desc": tri._launch_fwd(*args)}
+    for jf in (False, True):
+        got[f"desc, JF {jf}"] = tri._launch_fwd(*args, config=dict(BT=16, BJ=16, JF=jf, num_warps=4, num_stages=1))
     monkeypatch.setattr(tri, "_q_desc", lambda qI: None)
-    got["addr"] = tri._launch_fwd(q.detach(), k.detach(), w.detach(), 4, tri._meta(*meta))
+    got["addr"] = tri._launch_fwd(*args)
     for name, I in got.items():
         assert torch.equal(torch.isfinite(I), fin) and (I[~fin] == float("-inf")).all(), name
         assert_close(f"I ({name})", I[fin], ref[fin], 1e-5, 1e-5)
-    assert torch.equal(got["desc"], got["addr"])
+        assert torch.equal(I, got["desc"]), name
 
 
 def _holes(meta, every_q=61, every_e=37):

@@ -35,21 +35,22 @@ from . import naive, topk
 # for a 4096-row chunk at nI 64 -- more than the H200's L2). Both are tuner choices. Offline sm_90a compile
 # (Triton 3.9, ptxas), registers a thread: (64, 64, 4 warps) 168, (64, 64, 8) 117, (64, 128, 8) 169, (32, 256, 8)
 # 180, no spills; (64, 256, 8) and (128, 128, 8) reach 255 with spills outside the head loop (prologue / epilogue).
-# Timed on the H200 at 16K tokens (nI 64, fc22c6d, CUDA-graph device time of one call; `.ab` A/B in PERF_NOTES):
+# Timed on the H200 at 16K tokens (nI 64, fc22c6d, CUDA-graph device time of one call; harness/device/
+# indexer_fwd_ab.py, goldens/h200/D3/ab_indexer_fwd_82f9167.json):
 # (64, 64, 4 warps) 1.50 ms with JF / 1.71 without; (64, 256, 8) 1.74 / 1.78; (64, 64, 8) 1.77 / 2.28; (128, 128,
 # 8) 1.80 / 1.94; (64, 128, 8) 1.87 / 2.02; (32, 256, 8) 2.10 / 2.14 (the 3214bcf kernel: 1.95). The tuner keeps
 # the first four with JF and (64, 64, 4) without.
+def _q_block(nargs):
+    """Autotune pre-hook (and forced configs): the qI descriptor's block is the config's [BT, BC] query tile."""
+    if nargs.get("QD") is not None:
+        nargs["QD"].block_shape = [nargs["BT"], nargs["BC"]]
+
+
 _FWD_CONFIGS = configs(gpu=[dict(BT=bt, BJ=bj, JF=jf, num_warps=w, num_stages=3)
                             for bt, bj, w, jf in ((64, 64, 4, True), (64, 64, 4, False), (64, 256, 8, True),
                                                   (64, 64, 8, True), (128, 128, 8, True))],
-                       cpu=dict(BT=16, BJ=16, JF=True), pre_hook=lambda a: _q_block(a),
+                       cpu=dict(BT=16, BJ=16, JF=True), pre_hook=_q_block,
                        prune=lambda cfgs, a: cfgs if a["BIG"] else cfgs[:1])   # small problems: not worth tuning
-
-
-def _q_block(nargs):
-    """Autotune pre-hook: the qI descriptor's block is the config's [BT, BC] query tile."""
-    if nargs.get("QD") is not None:
-        nargs["QD"].block_shape = [nargs["BT"], nargs["BC"]]
 
 
 @triton.jit
@@ -309,8 +310,10 @@ def _q_desc(qI):
     return TensorDescriptor(qI, [S, nI * cI], [nI * cI, 1], [16, cI])
 
 
-def _launch_fwd(qI, kI, w, ratio, meta):
-    """Scores [Tq, N] fp32 of query rows with metadata `meta` = (seg_q, pos_q, entry_seg, entry_j)."""
+def _launch_fwd(qI, kI, w, ratio, meta, config=None):
+    """Scores [Tq, N] fp32 of query rows with metadata `meta` = (seg_q, pos_q, entry_seg, entry_j). config (launch
+    kwargs incl. num_warps / num_stages) forces one config instead of the tuner's choice, as in `scores_bwd`
+    (the A/B harness/device/indexer_fwd_ab.py, the tests' launch orders)."""
     qI, kI, w = qI.contiguous(), kI.contiguous(), w.contiguous()
     S, nI, cI = qI.shape
     T = kI.shape[0]
@@ -319,8 +322,12 @@ def _launch_fwd(qI, kI, w, ratio, meta):
         lo, hi = entry_ranges(*meta, ratio)
         grid = lambda m: ((triton.cdiv(T, m["BJ"]), triton.cdiv(S, m["BT"])) if m["JF"] else
                           (triton.cdiv(S, m["BT"]), triton.cdiv(T, m["BJ"])))
-        _scores_fwd[grid](qI, _q_desc(qI), kI, w, I, *meta, lo, hi, S, T, nI, cI, ratio, nI ** -0.5 * cI ** -0.5,
-                          *_strides(qI, kI, w, I), int(S * T * nI >= 1 << 27), BC=pow2(cI), PREC=_prec(qI))
+        qd, BC = _q_desc(qI), pow2(cI)
+        kern, kw = (_scores_fwd, {}) if config is None else (_scores_fwd.fn, config)
+        if kw:
+            _q_block({"QD": qd, "BC": BC, **kw})                # the tuner's pre-hook does not run here
+        kern[grid](qI, qd, kI, w, I, *meta, lo, hi, S, T, nI, cI, ratio, nI ** -0.5 * cI ** -0.5,
+                   *_strides(qI, kI, w, I), int(S * T * nI >= 1 << 27), BC=BC, PREC=_prec(qI), **kw)
     return I
 
 
