@@ -247,7 +247,9 @@ def _red_add_v4(ptr, a, b, c, d, mask):
     return tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $6, 0; @p red.global.gpu.relaxed.add.v4.f32 [$1], {$2, $3, $4, $5}; "
         "mov.u32 $0, 0; }",
-        "=r,l,f,f,f,f,r", [ptr, a, b, c, d, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        "=r,l,r,r,r,r,r", [ptr.to(tl.int64), a.to(tl.int32, bitcast=True), b.to(tl.int32, bitcast=True),
+                           c.to(tl.int32, bitcast=True), d.to(tl.int32, bitcast=True), mask.to(tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
