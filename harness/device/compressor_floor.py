@@ -2,7 +2,8 @@
 D=512, indexer D=128, HCA D=512 at T tokens), a plain Triton kernel that reads kv and gate [T, W] bf16 once, in
 row blocks of BR rows x W channels, and writes one fp32 per program (no softmax, no pooling), timed as a CUDA
 graph with L2 flushed (bench._graph_ms, the compressor rows' timer) for several BR / warps; beside it the compressor
-forward itself (slots precomputed) with each of its GPU configs forced. If the floor is under 2.5 TB/s at a size,
+forward itself (slots precomputed) with each of its GPU configs forced, and for HCA (m = 128, few entries) the
+slot-loop form at 1-2 entries a program, which the configs do not offer. If the floor is under 2.5 TB/s at a size,
 the issue-14 target cannot be met there by any pooling kernel. Writes $OUT/compressor_floor.json; shim on
 PYTHONPATH (harness/device/shim.sh); TOKENS overrides the sizes."""
 import json
@@ -52,7 +53,10 @@ for S in [int(x) for x in os.environ.get("TOKENS", "16384,65536").split(",")]:
         sl = compress_slots(seg, pos, m, ov, 0, backend="triton")
         r0, hp = sl[3], sl[4]
         args = {"MP": tri._mp(m, ov), "D": D, "N": r0.shape[0]}
-        for c in tri._fits(tri._FWD["configs"][:-1], args):
+        extra = [triton.Config(dict(BE=be, BD=bd, NIT=1, LOOP=True), num_warps=w, num_stages=st)
+                 for be in (1, 2) for bd in (64, 128, 256, 512) for w in (1, 2, 4) for st in (2, 4)
+                 if not ov and bd >= 32 * w]                     # HCA: the slot loop with 1-2 entries a program
+        for c in tri._fits(tri._FWD["configs"][:-1], args) + extra:
             kw = dict(c.kwargs)
             N = r0.shape[0]
             o = kv.new_empty(N, D)

@@ -240,35 +240,13 @@ def _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC: tl.constex
 
 
 @triton.jit
-def _red_add_v4(ptr, a, b, c, d, mask):
-    """Atomic fp32 add of (a, b, c, d) to ptr[0:4] (16-byte aligned) as ONE `red.global.add.v4.f32` (PTX ISA 8.1,
-    sm_90): a quarter of the scalar reds Triton emits for `tl.atomic_add`, each a full 16-byte write. Like the
-    scalar red, it rounds to nearest and flushes subnormals. GPU only (the interpreter has no inline asm)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $6, 0; @p red.global.gpu.relaxed.add.v4.f32 [$1], {$2, $3, $4, $5}; "
-        "mov.u32 $0, 0; }",
-        "=r,l,r,r,r,r,r", [ptr.to(tl.int64), a.to(tl.int32, bitcast=True), b.to(tl.int32, bitcast=True),
-                           c.to(tl.int32, bitcast=True), d.to(tl.int32, bitcast=True), mask.to(tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _dk_add(DK, rows, s_row, offs_d, valid, dmask, dk, C, DKT: tl.constexpr, VRED: tl.constexpr,
-            BN: tl.constexpr, BD: tl.constexpr):
+def _dk_add(DK, rows, s_row, offs_d, valid, dmask, dk, DKT: tl.constexpr):
     """Atomic fp32 add of a key tile's dKV (rows = key indices) in either orientation, for the keys that some row
-    of the program sees (valid [BH, BN] or [1, BN]). VRED (the [BN, BD] form, C % 4 == 0, 16-byte aligned rows):
-    the tile split into its 4-channel quads, one vector red each."""
+    of the program sees (valid [BH, BN] or [1, BN])."""
     valid = tl.max(valid.to(tl.int32), 0) > 0                                 # [BN]
     if DKT:
         tl.atomic_add(DK + rows[None, :] * s_row + offs_d[:, None], dk,
                       mask=valid[None, :] & dmask[:, None], sem="relaxed")
-    elif VRED:
-        quad = tl.reshape(dk, [BN, BD // 4, 2, 2])                            # channel 4j + 2p + q at [n, j, p, q]
-        even, odd = tl.split(quad)                                            # q = 0 / 1: [BN, BD // 4, 2]
-        c0, c2 = tl.split(even)                                               # channels 4j, 4j + 2
-        c1, c3 = tl.split(odd)                                                # channels 4j + 1, 4j + 3
-        j4 = tl.arange(0, BD // 4) * 4
-        _red_add_v4(DK + rows[:, None] * s_row + j4[None, :], c0, c1, c2, c3, valid[:, None] & (j4 < C)[None, :])
     else:
         tl.atomic_add(DK + rows[:, None] * s_row + offs_d[None, :], dk,
                       mask=valid[:, None] & dmask[None, :], sem="relaxed")
@@ -280,7 +258,7 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, P
                      sq_s, sq_h, skv_s, sc_s, si_s, so_s, so_h, sl_s,
                      TQ, H, NSEL, window, ratio, qk_scale, scale, q_off,
                      C: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr,
-                     BH: tl.constexpr, BN: tl.constexpr, DKT: tl.constexpr, VRED: tl.constexpr):
+                     BH: tl.constexpr, BN: tl.constexpr, DKT: tl.constexpr):
     # Q/DQ/O/DO share strides (sq_*, so_*: q and dq; o and do), KV/DKV share skv_*, COMP/DCOMP share sc_*.
     # Rows as in the forward: row r = query t0 + r // HB, head r % HB of the program's head block.
     t0 = tl.program_id(0).to(tl.int64) * (BH // HB)
@@ -315,7 +293,7 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, P
         k = tl.load(KV + offs_n[:, None] * skv_s + offs_d[None, :], mask=(offs_n <= u_hi)[:, None] & dmask[None, :],
                     other=0.0)
         dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
-        _dk_add(DKV, offs_n, skv_s, offs_d, valid, dmask, dk, C, DKT, VRED, BN, BD)
+        _dk_add(DKV, offs_n, skv_s, offs_d, valid, dmask, dk, DKT)
     if MODE == 1:
         for j in tl.static_range(BH // HB):             # unrolled: as a loop it spilled 3x more
             tj = t0 + j
@@ -332,7 +310,7 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, P
                 k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=(idx >= 0)[:, None] & dmask[None, :],
                             other=0.0)
                 dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
-                _dk_add(DCOMP, idx, sc_s, offs_d, valid, dmask, dk, C, DKT, VRED, BN, BD)
+                _dk_add(DCOMP, idx, sc_s, offs_d, valid, dmask, dk, DKT)
     if MODE == 2:
         if BH == HB:
             e_lo = tl.load(ELO + t0)
@@ -346,7 +324,7 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, P
             k = tl.load(COMP + offs_n[:, None] * sc_s + offs_d[None, :], mask=(offs_n < e_hi)[:, None] & dmask[None, :],
                         other=0.0)
             dq, dk = _bwd_tile(q, do, k, valid, lse, delta, dq, qk_scale, scale, PREC, DKT)
-            _dk_add(DCOMP, offs_n, sc_s, offs_d, valid, dmask, dk, C, DKT, VRED, BN, BD)
+            _dk_add(DCOMP, offs_n, sc_s, offs_d, valid, dmask, dk, DKT)
     tl.store(DQ + q_off2, dq.to(DQ.dtype.element_ty), mask=hd)
 
 
@@ -435,12 +413,6 @@ def prepare(q, kv, comp, comp_idx, ratio, seg, pos, entry_seg, entry_j, q_off):
     return mode, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, elo, ehi
 
 
-def _vred(q, C: int, *bufs) -> bool:
-    """The dKV adds as 16-byte vector reds: on the GPU, with C % 4 == 0 and 16-byte aligned fp32 rows."""
-    return (not on_cpu(q) and C % 4 == 0 and pow2(C) >= 4
-            and all(b.data_ptr() % 16 == 0 and b.stride(0) % 4 == 0 for b in bufs))
-
-
 class _SparseAttn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_off):
@@ -477,7 +449,7 @@ class _SparseAttn(torch.autograd.Function):
             q, kv, comp_t, idx_t, o, do, lse, dq, dkv, dcomp, delta, seg, pos, eseg, ej, elo, ehi,
             q.stride(0), q.stride(1), kv.stride(0), comp_t.stride(0), idx_t.stride(0), o.stride(0), o.stride(1),
             lse.stride(0), Tq, H, nsel, window, ratio, scale * LOG2E, scale, q_off,
-            C=C, MODE=mode, PREC=_prec(q), BD=pow2(C), HB=hb, VRED=_vred(q, C, dkv, dcomp))
+            C=C, MODE=mode, PREC=_prec(q), BD=pow2(C), HB=hb)
         # d sink_h = -Σ_t p_sink(t,h) · delta(t,h),  p_sink = exp(z_h - lse)   (lse in log2 units)
         p_sink = torch.exp2(sink.float() * LOG2E - lse)
         dsink = -(p_sink * delta).sum(0).to(sink.dtype)
