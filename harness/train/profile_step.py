@@ -10,6 +10,10 @@ cudaGraphLaunch included), the top 25 kernels by device time, the top 15 CPU ops
 `host_syncs` (CUDA only: the step's synchronising CUDA calls -- .item(), nonzero, host<->device copies -- counted
 by torch.cuda.set_sync_debug_mode in one more step, each attributed to the innermost frame of this repo).
 
+`by_source(prof)`: the time of a profile taken `with_stack=True`, by the line of model/ / kernels/ / harness/ that
+issued it, forward and backward apart (a native backward op takes its forward op's line); the command's `--by-source`
+writes it to DIR/profile_<T>_sources.json.
+
 The command writes DIR/profile_<T>.txt: key_averages sorted by CUDA time (self and total), with record_function
 ranges around each block's attention / FFN / mHC and the heads (forward only; backward kernels are listed by
 name), plus step time and peak memory. Not a benchmark: timings under the profiler carry its overhead.
@@ -17,8 +21,10 @@ name), plus step time and peak memory. Not a benchmark: timings under the profil
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -46,15 +52,16 @@ def _label(model):
             mod.register_forward_hook(post)
 
 
-def profile_once(step, device):
-    """(profiler, host seconds) of one call of `step` under torch.profiler, the device synchronised around it."""
+def profile_once(step, device, with_stack: bool = False):
+    """(profiler, host seconds) of one call of `step` under torch.profiler, the device synchronised around it;
+    with_stack: Python frames recorded too (what `by_source` reads; more profiler overhead)."""
     from torch.profiler import ProfilerActivity, profile
 
     from dsv4.harness.train.bench import sync
     cuda = torch.device(device).type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync(device)
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, with_stack=with_stack) as prof:
         t = time.perf_counter()
         step()
         sync(device)
@@ -115,6 +122,81 @@ def summarize(prof, host_s: float, top_kernels: int = TOP_KERNELS, top_ops: int 
             "note": "one step under torch.profiler (its overhead included); shares of the summed time"}
 
 
+_MINE = ("model/", "kernels/", "harness/")
+_NOT_SOURCE = ("profile_step.py", "train/bench.py", "harness/bench.py", "_custom_op.py")
+
+
+def _repo_frame(name: str) -> str | None:
+    """'<dir>/<file>.py(<line>): <function>' of a Python-frame event of this repo's model/ kernels/ harness/ (the
+    profiler's with_stack events), None for any other event."""
+    if ".py(" not in name or not any(m in name for m in _MINE) or any(x in name for x in _NOT_SOURCE):
+        return None
+    path, rest = name.split(".py(", 1)
+    at = max(path.rfind(m) for m in _MINE)                 # from the innermost model/ kernels/ harness/ on
+    return path[at:] + ".py(" + rest
+
+
+def _is_backward_node(e) -> bool:
+    """An autograd node's event (MulBackward0, _SparseAttnBackward, ...) or the engine's evaluate_function around
+    it (the same sequence number: it also holds the engine's gradient sums of the node's inputs)."""
+    return e.sequence_nr >= 0 and "Backward" in e.name and not e.name.startswith("aten::")
+
+
+def by_source(prof, top: int = 40) -> dict:
+    """Time by the line of this repo that issued it, from a profile taken with `with_stack=True`: {"unit",
+    "total_ms", "rows": [{"phase", "source", "ms", "share", "ops": {op: ms}}]}. The weight is each CPU op's kernels'
+    device time on a GPU (`FunctionEvent.kernels`), else the self CPU time of the `aten::` ops. An op's source is
+    the innermost repo frame above it (forward code, and Python backwards such as our autograd Functions'); an op
+    under a native backward node (MulBackward0, ...) takes the source of the forward op of the same autograd
+    sequence number, with phase "bwd"."""
+    from torch.autograd import DeviceType
+    evs = [e for e in prof.events() if e.device_type == DeviceType.CPU]
+    on_device = any(getattr(e, "kernels", None) for e in evs)
+
+    def walk(e):
+        """(phase, source) of event e: the first repo frame or backward node on its parent chain."""
+        p, phase, near = e, "fwd", None
+        while p is not None:
+            f = _repo_frame(p.name)
+            if f is not None:
+                return phase, f
+            if _is_backward_node(p):
+                return "bwd", fwd_src.get(p.sequence_nr, f"(no forward source) {p.name}")
+            if p.name.startswith("autograd::engine") or "run_backward" in p.name:
+                phase = "bwd"
+            if near is None and not p.name.startswith("aten::") and ".py(" not in p.name:
+                near = p.name                              # e.g. torch::autograd::AccumulateGrad
+            p = p.cpu_parent
+        return phase, f"(no repo frame) {near or e.name}"
+
+    fwd_src: dict[int, str] = {}
+    for e in evs:                                        # forward ops carry the sequence number of their node
+        if e.sequence_nr >= 0 and e.name.startswith("aten::") and e.sequence_nr not in fwd_src:
+            ph, src = walk(e)
+            if ph == "fwd" and not src.startswith("("):
+                fwd_src[e.sequence_nr] = src
+    rows: dict[tuple, list] = {}
+    total = 0.0
+    for e in evs:
+        if on_device:
+            us = sum(k.duration for k in (getattr(e, "kernels", None) or []))
+        else:
+            us = e.self_cpu_time_total if e.name.startswith("aten::") else 0.0
+        if us <= 0:
+            continue
+        key = walk(e)
+        r = rows.setdefault(key, [0.0, {}])
+        r[0] += us
+        op = e.name if e.name.startswith("aten::") or not e.cpu_parent else e.cpu_parent.name
+        r[1][op] = r[1].get(op, 0.0) + us
+        total += us
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"unit": "device" if on_device else "cpu", "total_ms": total / 1e3,
+            "rows": [{"phase": ph, "source": src, "ms": us / 1e3, "share": us / total if total else 0.0,
+                      "ops": {k[:60]: v / 1e3 for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:4]}}
+                     for (ph, src), (us, ops) in ranked]}
+
+
 def sync_sites(step, device, top: int = 20) -> dict | None:
     """{"per_step", "sites": [{"where", "count"}]}: the synchronising CUDA calls of one call of `step`
     (torch.cuda.set_sync_debug_mode("warn"); a warning each), by the innermost stack frame under this repo's
@@ -168,6 +250,8 @@ def main(argv=None):
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--recompute-from", type=int, default=32768)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--by-source", action="store_true",
+                    help="also profile one step with Python frames and write profile_<T>_sources.json (by_source)")
     args = ap.parse_args(argv)
     from dsv4.harness.train.bench import build_ours, lm_inputs, make_step, time_step_fn
     from dsv4.model.config import get_config
@@ -190,6 +274,15 @@ def main(argv=None):
             f.write(txt)
         print(head, flush=True)
         print(ka.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
+        if args.by_source:
+            from dsv4.harness.goldens import atomic_write_text
+            del prof
+            prof, _ = profile_once(step, dev, with_stack=True)
+            src = by_source(prof, 60)
+            atomic_write_text(Path(args.out) / f"profile_{T}_sources.json", json.dumps(src, indent=1))
+            for r in src["rows"][:25]:
+                print(f"{r['ms']:8.2f} ms {r['share']:6.1%} {r['phase']} {r['source'][:90]}  {list(r['ops'])[:3]}",
+                      flush=True)
         del model, prof, step
         torch.cuda.empty_cache()
 

@@ -188,3 +188,51 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, names):
     assert r.exit_code == 2, r.output
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dsv4: error: ") and names in lines[0], r.stderr
+
+
+def test_time_by_source_line_forward_and_backward():
+    """`by_source` on a CPU profile of one `debug` step (naive kernels): the time lands on lines of model/ and
+    kernels/, forward and backward apart; the MoE expert line has both phases (its backward is native autograd,
+    found through the autograd sequence number); shares add up to at most 1."""
+    from dsv4.harness.train.profile_step import by_source, profile_once
+    from dsv4.model.config import get_config
+    cfg = get_config("debug")
+    model = bench.build_ours(cfg, "naive", torch.device("cpu"))
+    step = bench.make_step(model, bench.lm_inputs(2, 32, cfg.vocab_size, torch.device("cpu"), False))
+    step()
+    prof, _ = profile_once(step, "cpu", with_stack=True)
+    r = by_source(prof, 200)
+    assert r["unit"] == "cpu" and r["total_ms"] > 0
+    rows = r["rows"]
+    assert 0.99 <= sum(x["share"] for x in rows) <= 1 + 1e-9           # top 200 covers every row of `debug`
+    srcs = {(x["phase"], x["source"].split(":")[0].split("(")[0]) for x in rows}
+    assert ("fwd", "model/moe.py") in srcs and ("bwd", "model/moe.py") in srcs
+    assert any(s.startswith("kernels/") for _, s in srcs)
+    assert all(x["ops"] for x in rows)
+    unknown = sum(x["ms"] for x in rows if x["source"].startswith("("))
+    assert unknown < 0.25 * r["total_ms"], [x for x in rows if x["source"].startswith("(")]
+
+
+def test_time_by_source_line_of_device_kernels():
+    """The GPU weighting of `by_source` on stand-in events: each CPU op's kernels' device time, the forward line
+    found through the Python-frame parents, the backward op under a native node mapped to that line by its
+    sequence number, an engine-only op (AccumulateGrad) kept apart."""
+    from torch.autograd import DeviceType
+
+    from dsv4.harness.train.profile_step import by_source
+
+    def ev(name, parent=None, seq=-1, kern=()):
+        return SimpleNamespace(name=name, device_type=DeviceType.CPU, cpu_parent=parent, sequence_nr=seq,
+                               kernels=[SimpleNamespace(duration=d) for d in kern], self_cpu_time_total=1.0)
+    f = ev("/x/dsv4/model/ffn.py(12): forward")
+    node = ev("MulBackward0", ev("autograd::engine::evaluate_function: MulBackward0", seq=7), seq=7)
+    acc = ev("torch::autograd::AccumulateGrad")
+    evs = [f, ev("aten::mul", f, seq=7, kern=(300,)), ev("aten::add", f, kern=(100,)), node,
+           ev("aten::mul", node, kern=(200, 100)), acc, ev("aten::add_", acc, kern=(50,)),
+           SimpleNamespace(name="k", device_type=DeviceType.CUDA)]
+    r = by_source(SimpleNamespace(events=lambda: evs), 10)
+    got = {(x["phase"], x["source"]): x["ms"] for x in r["rows"]}
+    assert r["unit"] == "device" and r["total_ms"] == pytest.approx(0.75)
+    assert got == {("fwd", "model/ffn.py(12): forward"): pytest.approx(0.4),
+                   ("bwd", "model/ffn.py(12): forward"): pytest.approx(0.3),
+                   ("fwd", "(no repo frame) torch::autograd::AccumulateGrad"): pytest.approx(0.05)}
