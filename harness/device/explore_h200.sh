@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 13 / 14 exploration on one H200 in ONE call (run from the repo root; no internet, nothing installed):
+#   1. `sparse_bwd_keymajor.py ab`: the key-major CSA-picks backward prototype vs the kernel as it is, H 16, 16K
+#      (every pruned config, gradients checked against the kernel as it is),
+#   2. `profile_step --by-source` of the proxy step at 16K tokens (B=2): the step's kernel time by the model /
+#      kernels line that issued it, forward and backward apart (where the ~70 ms of bandwidth-bound kernels come from),
+#   3. the sparse-attention GPU tests, cut at TEST_TIMEOUT (the file takes more than 150 s on a cold cache).
+# Everything lands in $OUT: env.txt, keymajor.log + sparse_bwd_keymajor.json, profile.log + profile_16384.txt +
+# profile_16384_sources.json, pytest_sparse_attn.log, summary.txt. Knobs: SKIP=<step numbers>, KM_TIMEOUT,
+# PROF_TIMEOUT, TEST_TIMEOUT, TOKENS (profile), DSV4_GIT_SHA.
+# Example: run(command="DSV4_GIT_SHA=<sha> bash harness/device/explore_h200.sh", timeout_s=600)
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+SHIM=$(mktemp -d)
+. harness/device/shim.sh && dsv4_shim "$SHIM"
+export PYTHONPATH=$SHIM TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/build/triton_cache}
+export DSV4_GIT_SHA=${DSV4_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+{ python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__, \
+torch.cuda.get_device_name())"; echo "git $DSV4_GIT_SHA"; } > "$OUT/env.txt" 2>&1
+: > "$OUT/summary.txt"
+step() { local n=$1 name=$2 t=$3; shift 3; case " ${SKIP:-} " in *" $n "*) return;; esac
+         local s=$(date +%s); timeout "$t" bash -c "$*" > "$OUT/$name.log" 2>&1
+         echo "$name rc=$? $(( $(date +%s) - s ))s" | tee -a "$OUT/summary.txt"; }
+step 1 keymajor "${KM_TIMEOUT:-200}" "python3 harness/device/sparse_bwd_keymajor.py ab"
+step 2 profile "${PROF_TIMEOUT:-180}" "python3 -m dsv4.harness.train.profile_step --tokens ${TOKENS:-16384} --batch 2 --by-source --out $OUT"
+step 3 pytest_sparse_attn "${TEST_TIMEOUT:-150}" "python3 -m pytest -q -p no:cacheprovider kernels/sparse_attn/test_sparse_attn.py"
+python3 - "$OUT/sparse_bwd_keymajor.json" <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception as e:  # noqa: BLE001
+    sys.exit(f"no key-major JSON: {e!r}")
+ok = [r for r in d["rows"] if "ms" in r]
+best = min(ok, key=lambda r: r["ms"]) if ok else None
+print(f"as is {d['as_is_ms']:.3f} ms, window part {d['window_only_ms']:.3f} ms; best key-major "
+      f"{best['ms']:.3f} ms {best['config']} within bounds {best['within_bounds']}" if best else "no key-major row")
+PY
+tail -1 "$OUT/pytest_sparse_attn.log" 2>/dev/null | tee -a "$OUT/summary.txt"
