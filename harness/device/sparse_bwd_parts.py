@@ -34,7 +34,10 @@ for v, body in BODY.items():
     src = SRC[:a] + (doc.group(0) if doc else "") + body + SRC[b:]
     p = Path(base.__file__).with_name(f"_parts_{v}.py")
     p.write_text(src)
-    mods[v] = importlib.import_module(f"dsv4.kernels.sparse_attn._parts_{v}")
+    try:
+        mods[v] = importlib.import_module(f"dsv4.kernels.sparse_attn._parts_{v}")
+    finally:
+        p.unlink()                                        # imported (Triton keeps the source): leave no file behind
 
 S, c, window = 16384, 512, 128
 cases = [x.split(":") for x in os.environ.get("CASES", "16:window,16:csa,16:hca,64:csa").split(",")]
