@@ -23,9 +23,9 @@ torch.cuda.get_device_name())"; echo "git $DSV4_GIT_SHA"; } > "$OUT/env.txt" 2>&
 step() { local n=$1 name=$2 t=$3; shift 3; case " ${SKIP:-} " in *" $n "*) return;; esac
          local s=$(date +%s); timeout "$t" bash -c "$*" > "$OUT/$name.log" 2>&1
          echo "$name rc=$? $(( $(date +%s) - s ))s" | tee -a "$OUT/summary.txt"; }
-step 1 keymajor "${KM_TIMEOUT:-150}" "python3 harness/device/sparse_bwd_keymajor.py ab"
+step 1 keymajor "${KM_TIMEOUT:-180}" "python3 harness/device/sparse_bwd_keymajor.py ab"
 step 2 profile "${PROF_TIMEOUT:-240}" "python3 -m dsv4.harness.train.profile_step --tokens ${TOKENS:-16384} --batch 2 --by-source --out $OUT"
-step 3 pytest_sparse_attn "${TEST_TIMEOUT:-120}" "python3 -m pytest -q -p no:cacheprovider kernels/sparse_attn/test_sparse_attn.py"
+step 3 pytest_sparse_attn "${TEST_TIMEOUT:-100}" "python3 -m pytest -q -p no:cacheprovider kernels/sparse_attn/test_sparse_attn.py"
 python3 - "$OUT/sparse_bwd_keymajor.json" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
 try:
