@@ -4,7 +4,8 @@
 #      (every pruned config, gradients checked against the kernel as it is),
 #   2. `profile_step --by-source` of the proxy step at 16K tokens (B=2): the step's kernel time by the model /
 #      kernels line that issued it, forward and backward apart (where the ~70 ms of bandwidth-bound kernels come from),
-#   3. the sparse-attention GPU tests, cut at TEST_TIMEOUT (the file takes more than 150 s on a cold cache; 150 + 240 + 120 s fit one 600-s call).
+#   3. the sparse-attention GPU tests, cut at TEST_TIMEOUT (the file takes more than 150 s on a
+#      cold cache); the default limits, 180 + 240 + 100 s, fit one 600-s call.
 # Everything lands in $OUT: env.txt, keymajor.log + sparse_bwd_keymajor.json, profile.log + profile_16384.txt +
 # profile_16384_sources.json, pytest_sparse_attn.log, summary.txt. Knobs: SKIP=<step numbers>, KM_TIMEOUT,
 # PROF_TIMEOUT, TEST_TIMEOUT, TOKENS (profile), DSV4_GIT_SHA.
