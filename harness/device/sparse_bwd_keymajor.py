@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels._triton_util import pow2
+from dsv4.kernels.sparse_attn import op as O
 from dsv4.kernels.sparse_attn import triton as tri
 
 
@@ -80,45 +81,26 @@ CONFIGS = ([dict(BN=32, DC=dc, num_warps=8, num_stages=st) for dc in (64, 128, 2
 CPU_CONFIG = dict(BN=16, DC=16, num_warps=4, num_stages=1)
 
 
-def _forward(q, kv, comp, idx, sink, window, ratio, scale, seg, pos, eseg, ej, q_off=0):
-    """(o, lse, the launch metadata) from the kernel as it is."""
+def backward(q, kv, comp, idx, sink, o, lse, do, meta, window, ratio, scale, km=None):
+    """(dq, dkv, dcomp) in the inputs' dtypes: the backward as it is (`op._sparse_attn_bwd`, km None), or its window
+    part alone (comp None: MODE none) + `_picks_bwd_km` with the config km (a dict of CONFIGS); meta = (seg, pos,
+    entry_seg, entry_j)."""
+    seg, pos, eseg, ej = meta
+    if km is None:
+        return O._sparse_attn_bwd(do, q, kv, comp, idx, sink, seg, pos, eseg, ej, o, lse, window, ratio, scale, 0)[:3]
+    dq, dkv, _, _ = O._sparse_attn_bwd(do, q, kv, None, None, sink, seg, pos, None, None, o, lse, window, ratio,
+                                       scale, 0)
+    _, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, _, _ = tri.prepare(q, kv, comp, idx, ratio, seg, pos, eseg,
+                                                                          ej, 0)
     Tq, H, C = q.shape
-    mode, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, elo, ehi = tri.prepare(
-        q, kv, comp, idx, ratio, seg, pos, eseg, ej, q_off)
-    o = torch.empty_like(q)
-    lse = torch.empty(Tq, H, device=q.device, dtype=torch.float32)
-    hb = tri._heads(q, H, tri._FWD_BH)
-    tri._sparse_attn_fwd[tri._grid(Tq, H, hb)](
-        q, kv, comp_t, idx_t, sink, o, lse, seg, pos, eseg, ej, elo, ehi,
-        q.stride(0), q.stride(1), kv.stride(0), comp_t.stride(0), idx_t.stride(0), o.stride(0), o.stride(1),
-        lse.stride(0), Tq, H, nsel, int(window), ratio, float(scale) * tri.LOG2E, int(q_off),
-        C=C, MODE=mode, PREC=tri._prec(q), BD=pow2(C), HB=hb)
-    return o, lse, (mode, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, elo, ehi)
-
-
-def backward(q, kv, o, do, lse, meta, window, scale, q_off=0, km=None):
-    """(dq, dkv fp32, dcomp fp32, delta): the kernel as it is (km None), or MODE = none + `_picks_bwd_km` with the
-    config km (a dict of CONFIGS)."""
-    mode, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, elo, ehi = meta
-    Tq, H, C = q.shape
-    dq = torch.empty_like(q)
-    dkv = torch.zeros(kv.shape, device=q.device, dtype=torch.float32)
+    delta = (o.float() * do.float()).sum(-1)                 # rowsum(dO o O), as the kernel stores it
     dcomp = torch.zeros(comp_t.shape, device=q.device, dtype=torch.float32)
-    delta = torch.empty_like(lse)
-    hb = tri._heads(q, H, tri._BWD_BH)
-    tri._sparse_attn_bwd[tri._grid(Tq, H, hb)](
-        q, kv, comp_t, idx_t, o, do, lse, dq, dkv, dcomp, delta, seg, pos, eseg, ej, elo, ehi,
-        q.stride(0), q.stride(1), kv.stride(0), comp_t.stride(0), idx_t.stride(0), o.stride(0), o.stride(1),
-        lse.stride(0), Tq, H, nsel, window, ratio, scale * tri.LOG2E, scale, q_off,
-        C=C, MODE=mode if km is None else tri.MODE_NONE, PREC=tri._prec(q), BD=pow2(C), HB=hb)
-    if km is not None:
-        kw = dict(km)
-        _picks_bwd_km[(Tq,)](
-            q, comp_t, idx_t, do, lse, delta, dq, dcomp, seg, pos, eseg, ej,
-            q.stride(0), q.stride(1), comp_t.stride(0), idx_t.stride(0), do.stride(0), do.stride(1), lse.stride(0),
-            H, nsel, ratio, scale * tri.LOG2E, scale, q_off,
-            C=C, PREC=tri._prec(q), BD=pow2(C), HB=max(16, pow2(H)), **kw)
-    return dq, dkv, dcomp, delta
+    _picks_bwd_km[(Tq,)](
+        q, comp_t, idx_t, do, lse, delta, dq, dcomp, seg, pos, eseg, ej,
+        q.stride(0), q.stride(1), comp_t.stride(0), idx_t.stride(0), do.stride(0), do.stride(1), lse.stride(0),
+        H, nsel, ratio, scale * tri.LOG2E, scale, 0,
+        C=C, PREC=tri._prec(q), BD=pow2(C), HB=max(16, pow2(H)), **km)
+    return dq, dkv, dcomp.to(comp.dtype)
 
 
 def check():
@@ -138,14 +120,15 @@ def check():
         idx = torch.rand(T, comp.shape[0], generator=g).topk(min(k, comp.shape[0]), dim=-1).indices
         idx = torch.where(torch.rand(idx.shape, generator=g) < 0.2, torch.full_like(idx, -1), idx)
         scale = c ** -0.5
-        o, lse, meta = _forward(q, kv, comp, idx, sink, window, ratio, scale, seg, pos, eseg, ej)
+        meta = (seg, pos, eseg, ej)
+        o, lse = O._sparse_attn_fwd(q, kv, comp, idx, sink, *meta, window, ratio, scale, 0)
         do = torch.randn(o.shape, generator=g)
         qa, kva, ca = (x.clone().requires_grad_() for x in (q, kv, comp))
         ref = sparse_attn(qa, kva, ca, idx, sink, window, ratio, scale, seg, pos, eseg, ej, backend="naive")
         want = torch.autograd.grad(ref, (qa, kva, ca), do)
         assert_close("o", o, ref, 2e-5, 1e-5)
-        base = backward(q, kv, o, do, lse, meta, window, scale)
-        got = backward(q, kv, o, do, lse, meta, window, scale, km=CPU_CONFIG)
+        args = (q, kv, comp, idx, sink, o, lse, do, meta, window, ratio, scale)
+        base, got = backward(*args), backward(*args, km=CPU_CONFIG)
         for name, a, b, w in zip(("dq", "dkv", "dcomp"), got, base, want):
             assert_close(f"{name} H={H} vs naive", a, w, 5e-5, 1e-4)
             assert_close(f"{name} H={H} vs the kernel as it is", a, b, 5e-5, 1e-4)
@@ -155,19 +138,10 @@ def check():
 def ab():
     """DEV=cpu SEQ=64 (with TRITON_INTERPRET=1): a dry run of this mode on the interpreter (fp32, a wall-clock
     timer, CPU_CONFIG only): it catches a broken script before a device call, its numbers mean nothing."""
-    from dsv4.harness.bench import _csa_idx
+    from dsv4.harness.bench import _csa_idx, _timer
     dev = os.environ.get("DEV", "cuda")
-    if dev == "cuda":
-        from triton.testing import do_bench
-        dt, configs = torch.bfloat16, CONFIGS
-    else:
-        import time
-
-        def do_bench(fn, rep=None):
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e3
-        dt, configs = torch.float32, [CPU_CONFIG]
+    do_bench = _timer(dev)                                   # do_bench median on CUDA; one timed call on CPU
+    dt, configs = (torch.bfloat16, CONFIGS) if dev == "cuda" else (torch.float32, [CPU_CONFIG])
     S, H, c = int(os.environ.get("SEQ", "16384")), int(os.environ.get("HEADS", "16")), 512 if dev == "cuda" else 32
     window, ratio, k = (128, 4, 512) if dev == "cuda" else (8, 4, 8)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -180,24 +154,26 @@ def ab():
     seg, pos = torch.zeros(S, dtype=torch.long, device=dev), torch.arange(S, device=dev)
     eseg, ej = torch.zeros(N, dtype=torch.long, device=dev), torch.arange(N, device=dev)
     scale = c ** -0.5
-    o, lse, meta = _forward(q, kv, comp, idx, sink, window, ratio, scale, seg, pos, eseg, ej)
+    meta = (seg, pos, eseg, ej)
+    o, lse = O._sparse_attn_fwd(q, kv, comp, idx, sink, *meta, window, ratio, scale, 0)
     do = torch.randn_like(o)
     res = {"S": S, "H": H, "c": c, "window": window, "ratio": ratio, "topk": k, "rows": []}
-    ref = backward(q, kv, o, do, lse, meta, window, scale)
-    res["as_is_ms"] = do_bench(lambda: backward(q, kv, o, do, lse, meta, window, scale), rep=200)
+    args = (q, kv, comp, idx, sink, o, lse, do, meta, window, ratio, scale)
+    ref = backward(*args)
+    res["as_is_ms"] = do_bench(lambda: backward(*args), 200)
     res["as_is_config"] = str(tri._sparse_attn_bwd.best_config)
-    none_meta = (tri.MODE_NONE,) + meta[1:]
-    res["window_only_ms"] = do_bench(lambda: backward(q, kv, o, do, lse, none_meta, window, scale), rep=200)
+    res["window_only_ms"] = do_bench(lambda: O._sparse_attn_bwd(do, q, kv, None, None, sink, seg, pos, None, None, o,
+                                                                lse, window, ratio, scale, 0), 200)
     print(json.dumps({k: res[k] for k in ("as_is_ms", "window_only_ms", "as_is_config")}), flush=True)
     for cfg in configs:
         row = {"config": cfg}
         try:
-            got = backward(q, kv, o, do, lse, meta, window, scale, km=cfg)
+            got = backward(*args, km=cfg)
             row["rel_err_vs_as_is"] = {n: float((a.float() - b.float()).norm() / b.float().norm())
                                        for n, a, b in zip(("dq", "dkv", "dcomp"), got, ref)}
             bound = {"dq": 1e-2, "dkv": 2e-2, "dcomp": 5e-2}      # test_sparse_attn.py's bf16 bounds vs naive
             row["within_bounds"] = all(row["rel_err_vs_as_is"][n] <= b for n, b in bound.items())
-            row["ms"] = do_bench(lambda: backward(q, kv, o, do, lse, meta, window, scale, km=cfg), rep=100)
+            row["ms"] = do_bench(lambda: backward(*args, km=cfg), 100)
             row["speedup"] = res["as_is_ms"] / row["ms"]
         except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:300]

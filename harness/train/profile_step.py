@@ -154,20 +154,23 @@ def by_source(prof, top: int = 40) -> dict:
     on_device = any(getattr(e, "kernels", None) for e in evs)
 
     def walk(e):
-        """(phase, source) of event e: the first repo frame or backward node on its parent chain."""
-        p, phase, near = e, "fwd", None
+        """(phase, source) of event e. Source: the first repo frame on its parent chain, or, when a native backward
+        node comes first, that node's forward line. Phase: "bwd" when an autograd node or the engine is above e
+        (a Python backward's own line counts as bwd too)."""
+        src = near = None
+        p = e
         while p is not None:
-            f = _repo_frame(p.name)
-            if f is not None:
-                return phase, f
-            if _is_backward_node(p):
-                return "bwd", fwd_src.get(p.sequence_nr, f"(no forward source) {p.name}")
-            if p.name.startswith("autograd::engine") or "run_backward" in p.name:
-                phase = "bwd"
-            if near is None and not p.name.startswith("aten::") and ".py(" not in p.name:
-                near = p.name                              # e.g. torch::autograd::AccumulateGrad
+            node = _is_backward_node(p)
+            if src is None:
+                src = _repo_frame(p.name)
+                if src is None and node:
+                    return "bwd", fwd_src.get(p.sequence_nr, f"(no forward source) {p.name}")
+                if src is None and near is None and not p.name.startswith("aten::") and ".py(" not in p.name:
+                    near = p.name                          # e.g. torch::autograd::AccumulateGrad
+            if node or p.name.startswith("autograd::engine") or "run_backward" in p.name:
+                return "bwd", src or f"(no repo frame) {near or e.name}"
             p = p.cpu_parent
-        return phase, f"(no repo frame) {near or e.name}"
+        return "fwd", src or f"(no repo frame) {near or e.name}"
 
     fwd_src: dict[int, str] = {}
     for e in evs:                                        # forward ops carry the sequence number of their node

@@ -216,7 +216,8 @@ def test_time_by_source_line_forward_and_backward():
 def test_time_by_source_line_of_device_kernels():
     """The GPU weighting of `by_source` on stand-in events: each CPU op's kernels' device time, the forward line
     found through the Python-frame parents, the backward op under a native node mapped to that line by its
-    sequence number, an engine-only op (AccumulateGrad) kept apart."""
+    sequence number, a Python backward (an autograd.Function's) under its own line with phase bwd, an engine-only op
+    (AccumulateGrad) kept apart."""
     from torch.autograd import DeviceType
 
     from dsv4.harness.train.profile_step import by_source
@@ -226,13 +227,18 @@ def test_time_by_source_line_of_device_kernels():
                                kernels=[SimpleNamespace(duration=d) for d in kern], self_cpu_time_total=1.0)
     f = ev("/x/dsv4/model/ffn.py(12): forward")
     node = ev("MulBackward0", ev("autograd::engine::evaluate_function: MulBackward0", seq=7), seq=7)
-    acc = ev("torch::autograd::AccumulateGrad")
+    engine = ev("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad")
+    acc = ev("torch::autograd::AccumulateGrad", engine)
+    py_node = ev("_SparseAttnBackward", seq=9)                # an autograd.Function: its backward is Python
+    py_bwd = ev("/x/dsv4/kernels/sparse_attn/triton.py(450): backward", py_node)
     evs = [f, ev("aten::mul", f, seq=7, kern=(300,)), ev("aten::add", f, kern=(100,)), node,
            ev("aten::mul", node, kern=(200, 100)), acc, ev("aten::add_", acc, kern=(50,)),
+           py_node, py_bwd, ev("cuLaunchKernel", py_bwd, kern=(400,)),
            SimpleNamespace(name="k", device_type=DeviceType.CUDA)]
     r = by_source(SimpleNamespace(events=lambda: evs), 10)
     got = {(x["phase"], x["source"]): x["ms"] for x in r["rows"]}
-    assert r["unit"] == "device" and r["total_ms"] == pytest.approx(0.75)
+    assert r["unit"] == "device" and r["total_ms"] == pytest.approx(1.15)
     assert got == {("fwd", "model/ffn.py(12): forward"): pytest.approx(0.4),
                    ("bwd", "model/ffn.py(12): forward"): pytest.approx(0.3),
-                   ("fwd", "(no repo frame) torch::autograd::AccumulateGrad"): pytest.approx(0.05)}
+                   ("bwd", "kernels/sparse_attn/triton.py(450): backward"): pytest.approx(0.4),
+                   ("bwd", "(no repo frame) torch::autograd::AccumulateGrad"): pytest.approx(0.05)}
