@@ -70,6 +70,7 @@ class DSv4Model(nn.Module):
                                   for k in range(cfg.num_nextn_predict_layers)])
         self.backend = "naive"
         self.recompute = False
+        self.head_ce = "recompute"      # set_head_ce: when the LM / MTP heads' cross-entropy gradients are formed
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
@@ -151,7 +152,7 @@ class DSv4Model(nn.Module):
             s = F.cross_entropy(acc(logits).reshape(-1, V), labels, ignore_index=IGNORE, reduction="sum")
         else:
             s = head_cross_entropy(y.reshape(-1, y.shape[-1]), self.head.weight, labels, reduction="sum",
-                                   backend=self.backend)
+                                   backend=self.backend, grads=self.head_ce)
         return s, n.to(s.dtype)
 
     # ------------------------------------------------------------------ training helpers
@@ -207,6 +208,16 @@ class DSv4Model(nn.Module):
         for m in self.modules():
             if isinstance(m, Experts):
                 m.gemm = mode
+        return self
+
+    def set_head_ce(self, mode: str) -> "DSv4Model":
+        """When the head cross-entropy (forward(..., return_logits=False)) forms its gradients: "recompute"
+        (default: backward recomputes each row block's logits) | "grad_in_forward" (the forward contracts each
+        block's dlogits at once, 3 GEMMs a block instead of 4, dW [V, d] fp32 held until backward); `HEAD_CE`,
+        `_HeadCrossEntropy`. Same loss; the gradients differ by bf16 roundings only."""
+        if mode not in HEAD_CE:
+            raise ValueError(f"set_head_ce: unknown mode {mode!r}; known: {', '.join(HEAD_CE)}")
+        self.head_ce = mode
         return self
 
     def compile_blocks(self, **compile_kwargs) -> "DSv4Model":
@@ -275,14 +286,26 @@ def run_block(ckpt: bool, block, aux: AuxLosses, *args):
     return y
 
 
+HEAD_CE = ("recompute", "grad_in_forward")      # DSv4Model.set_head_ce: when the head's gradients are formed
+
+
 class _HeadCrossEntropy(torch.autograd.Function):
     """mean over non-ignored rows of CE(y @ W^T, labels), the logits formed in W's dtype and upcast to fp32 as
-    `F.cross_entropy(head(y).float(), labels)` does, over blocks of `chunk` rows; backward recomputes each
-    block's logits, so only y, W, labels and the per-row log-sum-exp are kept. The rows' softmax math is the
-    kernel op `ce_lse` / `ce_dlogits` (kernels/cross_entropy: naive, or one Triton pass over the block)."""
+    `F.cross_entropy(head(y).float(), labels)` does, over blocks of `chunk` rows, never holding [N, V]. The rows'
+    softmax math is the kernel op `ce_lse` / `ce_dlogits` (kernels/cross_entropy: naive, or one Triton pass over
+    the block). When the gradients are formed (`HEAD_CE`):
+      "recompute"        backward recomputes each block's logits: y, W, labels and the per-row log-sum-exp are
+                         kept; 4 GEMMs a block (logits, logits again, dy, dW);
+      "grad_in_forward"  the forward forms each block's dlogits right after its log-sum-exp and contracts them at
+                         once (dy = dlogits W, dW += dlogitsᵀ y) for a unit upstream gradient; backward only scales
+                         the kept dy [N, d] and dW [V, d] (fp32) by the upstream scalar. 3 GEMMs a block, and
+                         dW [V, d] fp32 is held from the forward to the backward (y is not kept). The loss is a
+                         scalar, so dLoss/dy = g * (dLoss/dy at g = 1) exactly; only the roundings of the
+                         bf16 dlogits differ (scaled by 1/n rather than g/n).
+    Both are Liger-style blocked cross-entropy; only "grad_in_forward" is its fused-linear form."""
 
     @staticmethod
-    def forward(ctx, y, weight, labels, chunk, mean, backend):
+    def forward(ctx, y, weight, labels, chunk, mean, backend, grad_in_forward):
         N = y.shape[0]
         dt = torch.promote_types(y.dtype, torch.float32)                       # fp32 (fp64 stays fp64)
         valid = labels != IGNORE
@@ -290,16 +313,34 @@ class _HeadCrossEntropy(torch.autograd.Function):
         lse = torch.empty(N, dtype=dt, device=y.device)
         total = torch.zeros((), dtype=dt, device=y.device)
         safe = torch.where(valid, labels, torch.zeros_like(labels))
+        if grad_in_forward:
+            dy = torch.empty_like(y)
+            dw = torch.zeros(weight.shape, dtype=dt, device=weight.device)
+            unit = valid.to(dt) / n if mean else valid.to(dt)                  # [N]: dLoss of each row at g = 1
         for a in range(0, N, chunk):
-            l, tgt = ce_lse(F.linear(y[a:a + chunk], weight), safe[a:a + chunk], backend=backend)   # [C] each
-            total += torch.where(valid[a:a + chunk], l - tgt, torch.zeros_like(l)).sum()
-            lse[a:a + chunk] = l
-        ctx.save_for_backward(y, weight, safe, valid, lse, n)
-        ctx.chunk, ctx.mean, ctx.backend = chunk, mean, backend
+            rows = slice(a, a + chunk)
+            logits = F.linear(y[rows], weight)                                 # [C, V] in W's dtype
+            l, tgt = ce_lse(logits, safe[rows], backend=backend)               # [C] each
+            total += torch.where(valid[rows], l - tgt, torch.zeros_like(l)).sum()
+            lse[rows] = l
+            if grad_in_forward:
+                gl = ce_dlogits(logits, l, safe[rows], unit[rows], backend=backend)   # dlogits [C, V]
+                dy[rows] = gl @ weight
+                dw += (gl.t() @ y[rows]).to(dt)
+        if grad_in_forward:
+            ctx.save_for_backward(dy, dw)
+        else:
+            ctx.save_for_backward(y, weight, safe, valid, lse, n)
+        ctx.chunk, ctx.mean, ctx.backend, ctx.grad_in_forward, ctx.w_dtype = chunk, mean, backend, grad_in_forward, \
+            weight.dtype
         return total / n if mean else total                                    # mean: nan if all are ignored
 
     @staticmethod
     def backward(ctx, g):
+        if ctx.grad_in_forward:
+            dy, dw = ctx.saved_tensors                                         # at g = 1; dw in fp32
+            g = g.to(dw.dtype)
+            return (dy.to(dw.dtype) * g).to(dy.dtype), (dw * g).to(ctx.w_dtype), None, None, None, None, None
         y, weight, safe, valid, lse, n = ctx.saved_tensors
         dy = torch.empty_like(y)
         dt = lse.dtype
@@ -310,19 +351,24 @@ class _HeadCrossEntropy(torch.autograd.Function):
             gl = ce_dlogits(F.linear(yc, weight), lse[rows], safe[rows], scale[rows], backend=ctx.backend)
             dy[rows] = gl @ weight                                             # gl: dlogits [C, V], logits' dtype
             dw += (gl.t() @ yc).to(dt)
-        return dy, dw.to(weight.dtype), None, None, None, None
+        return dy, dw.to(weight.dtype), None, None, None, None, None
 
 
 def head_cross_entropy(y: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                       chunk: int = 8192, reduction: str = "mean", backend: str = "naive") -> torch.Tensor:
+                       chunk: int = 8192, reduction: str = "mean", backend: str = "naive",
+                       grads: str = "recompute") -> torch.Tensor:
     """y [N, d], weight [V, d], labels [N] (IGNORE = -100) -> mean (or "sum") CE of the logits y @ weight^T
     (fp32 softmax), never materialising [N, V]: the memory of one block of `chunk` rows. Under autocast the
     logits are formed in the autocast dtype, as `head(y)` is there (model.precision.autocast_operands).
-    backend: the rows' softmax kernels (kernels/cross_entropy), the model's kernel backend."""
+    backend: the rows' softmax kernels (kernels/cross_entropy), the model's kernel backend. grads: `HEAD_CE`
+    ("grad_in_forward" only where a backward can follow: grad mode on and y or weight requiring grad)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"head_cross_entropy: reduction must be mean|sum, got {reduction!r}")
+    if grads not in HEAD_CE:
+        raise ValueError(f"head_cross_entropy: grads must be one of {', '.join(HEAD_CE)}, got {grads!r}")
     y, weight = autocast_operands(y, weight)
-    return _HeadCrossEntropy.apply(y, weight, labels, chunk, reduction == "mean", backend)
+    in_fwd = grads == "grad_in_forward" and torch.is_grad_enabled() and (y.requires_grad or weight.requires_grad)
+    return _HeadCrossEntropy.apply(y, weight, labels, chunk, reduction == "mean", backend, in_fwd)
 
 
 def build_model(cfg: DSv4Config | str, device: str | torch.device | None = None, **overrides) -> DSv4Model:

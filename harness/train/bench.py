@@ -205,22 +205,26 @@ def _compile_counters() -> dict:
 
 # ------------------------------------------------------------------------------------------- results
 def _key(r) -> tuple:
-    return (r["impl"], r["tokens"], r["batch"])
+    return (r["impl"], r["tokens"], r["batch"], r.get("head_ce", "recompute"))
 
 
 def merge_results(old: list[dict], new: list[dict]) -> list[dict]:
-    """old rows in order, each replaced by the new row of its (impl, tokens, batch); then the other new rows."""
+    """old rows in order, each replaced by the new row of its (impl, tokens, batch, head_ce); then the other new
+    rows."""
     fresh = {_key(r): r for r in new}
     out = [fresh.pop(_key(r), r) for r in old]
     return out + [r for r in new if _key(r) in fresh]
 
 
 def ratios(results: list[dict]) -> dict:
-    """tokens/s ratios at the same tokens and batch: ours_* over each HF peer, and the PAIRS. Keys
-    `<a>_over_<b>@<tokens>` (`/b<batch>` appended where the rows hold several batches at those tokens)."""
-    ok = {_key(r): r["tokens_per_s"] for r in results if r.get("tokens_per_s")}
+    """tokens/s ratios at the same tokens and batch: ours_* over each HF peer, and the PAIRS, between rows of the
+    default head_ce; and each row of another `--head-ce` over the same impl's default row. Keys
+    `<a>_over_<b>@<tokens>` / `<a>[head_ce=<mode>]_over_<a>@<tokens>` (`/b<batch>` appended where the rows hold
+    several batches at those tokens)."""
+    every = {_key(r): r["tokens_per_s"] for r in results if r.get("tokens_per_s")}
+    ok = {k[:3]: v for k, v in every.items() if k[3] == "recompute"}
     batches: dict[int, set] = {}
-    for _, T, B in ok:
+    for _, T, B, _ in every:
         batches.setdefault(T, set()).add(B)
     pairs = [(a, p) for a in IMPLS if IMPLS[a][0] == "ours" for p in PEERS] + PAIRS
     out = {}
@@ -230,6 +234,9 @@ def ratios(results: list[dict]) -> dict:
             for a, b in pairs:
                 if (a, T, B) in ok and (b, T, B) in ok:
                     out[f"{a}_over_{b}{tag}"] = ok[(a, T, B)] / ok[(b, T, B)]
+            for (a, T2, B2, h), v in every.items():
+                if (T2, B2) == (T, B) and h != "recompute" and (a, T, B) in ok:
+                    out[f"{a}[head_ce={h}]_over_{a}{tag}"] = v / ok[(a, T, B)]
     return out
 
 
@@ -281,7 +288,7 @@ PROFILE_PENDING = "the profile step did not finish (the row was written before i
 
 
 def _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, profile, doc_min,
-         on_timed=None) -> dict:
+         on_timed=None, head_ce: str = "recompute") -> dict:
     """One measured row. With `profile`, `on_timed(row)` first gets the timed row (its profile marked pending), so
     that a caller's time limit hitting the extra profiled step does not lose the timing (the 64K rows at 7298853
     on the H200 were cut there twice)."""
@@ -300,6 +307,9 @@ def _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, pr
         model = build_ours(cfg, backend, device, mode or False)
         rec["recompute"] = T >= recompute_from                 # whole-block activation recompute
         model.set_recompute(rec["recompute"])
+        model.set_head_ce(head_ce)                             # DSv4Model.set_head_ce (a row key when not default)
+        if head_ce != "recompute":
+            rec["head_ce"] = head_ce
     else:
         model = build_hf(cfg, device, mode is not None)
     if packed:
@@ -335,7 +345,8 @@ def _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, pr
 
 
 def _progress(rec) -> str:
-    head = f"{rec['impl']:10} {rec['tokens']:>6} tokens: "
+    head = f"{rec['impl']:10} {rec['tokens']:>6} tokens" + (f" head_ce={rec['head_ce']}" if "head_ce" in rec else "") \
+        + ": "
     if "error" in rec:
         return head + ("OOM" if rec["error"] == "oom" else rec["error"])
     mem = "n/a" if rec["peak_mem_bytes"] is None else f"{rec['peak_mem_bytes'] / 2**30:.1f}"
@@ -353,8 +364,10 @@ def _progress(rec) -> str:
 
 def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: int, impls: list[str],
         backend: str | None = None, recompute_from: int = 32768, compile_: bool = False, *, smoke: bool = False,
-        profile: bool = False, out=None, append: bool = False, doc_min: int = 128) -> dict:
-    """Measure every (impl, tokens) row; after each, `out` (if given) is rewritten atomically with every row so
+        profile: bool = False, out=None, append: bool = False, doc_min: int = 128,
+        head_ces: tuple[str, ...] = ("recompute",)) -> dict:
+    """Measure every (impl, tokens) row, ours' rows once per head_ces mode (DSv4Model.set_head_ce; the modes of
+    one impl and tokens back to back); after each, `out` (if given) is rewritten atomically with every row so
     far (merged into its earlier rows under `append`). Returns the document written."""
     import os
 
@@ -391,29 +404,32 @@ def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: i
                                for r in rows),
                 "results": rows, "ratios": ratios(rows), "provenance": prov}
 
-    for impl in names:
-        for T in toks:
-            def timed(rec):                # the timed row on disk before its profile step (`_row`)
-                if out:
-                    atomic_write_json(out, doc(dict(rec, **where)))
-            try:
-                rec = _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, profile, doc_min,
-                           on_timed=timed)
-            except torch.OutOfMemoryError:
-                rec = {"impl": impl, "tokens": T, "batch": batch, "seq": T // batch, "error": "oom"}
-            except Exception as e:  # noqa: BLE001 - a peer failing is a result, recorded with its reason
-                rec = {"impl": impl, "tokens": T, "batch": batch, "seq": T // batch,
-                       "error": f"{type(e).__name__}: {str(e)[:300]}"}
-            rec.update(where)
-            new.append(rec)
-            _log(_progress(rec))
-            if IMPLS[impl][1]:             # compiled: drop Dynamo's caches and the cudagraph trees' memory pool
-                torch._dynamo.reset()
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    plan = [(impl, T, h) for impl in names for T in toks
+            for h in (head_ces if IMPLS[impl][0] == "ours" else ("recompute",))]
+    for impl, T, h in plan:
+        def timed(rec):                # the timed row on disk before its profile step (`_row`)
             if out:
-                atomic_write_json(out, doc())
+                atomic_write_json(out, doc(dict(rec, **where)))
+        try:
+            rec = _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, profile, doc_min,
+                       on_timed=timed, head_ce=h)
+        except torch.OutOfMemoryError:
+            rec = {"impl": impl, "tokens": T, "batch": batch, "seq": T // batch, "error": "oom"}
+        except Exception as e:  # noqa: BLE001 - a peer failing is a result, recorded with its reason
+            rec = {"impl": impl, "tokens": T, "batch": batch, "seq": T // batch,
+                   "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        if h != "recompute":
+            rec["head_ce"] = h
+        rec.update(where)
+        new.append(rec)
+        _log(_progress(rec))
+        if IMPLS[impl][1]:             # compiled: drop Dynamo's caches and the cudagraph trees' memory pool
+            torch._dynamo.reset()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if out:
+            atomic_write_json(out, doc())
     return doc()
 
 
@@ -432,16 +448,26 @@ def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: i
               help="Ours: torch.compile every block (ours -> ours_compile, ours_packed -> ours_packed_compile).")
 @click.option("--profile", is_flag=True, help="Profile one extra step per row; a summary is stored with it.")
 @click.option("--doc-min", default=128, type=int, help="Packed impls: shortest document drawn (tokens).")
+@click.option("--head-ce", "head_ce", default="recompute",
+              help="Ours: comma list of head cross-entropy gradient modes (recompute | grad_in_forward), one row "
+                   "each (DSv4Model.set_head_ce); rows of a non-default mode carry head_ce and a ratio over the "
+                   "default row.")
 @click.option("--out", "out", default=None, type=click.Path(dir_okay=False),
               help="JSON written atomically after every row.")
 @click.option("--append", is_flag=True, help="Keep the rows already in --out (same impl/tokens/batch replaced).")
 @click.option("--smoke", is_flag=True, help="The debug config; on CPU (naive kernels) when no GPU is visible.")
 @click.option("--json", "as_json", is_flag=True)
 def bench_train_cmd(config, tokens, batch, steps, warmup, impls, backend, recompute_from, compile_, profile,
-                    doc_min, out, append, smoke, as_json):
+                    doc_min, head_ce, out, append, smoke, as_json):
     """Training tokens/s, peak memory and MFU of ours (eager, compiled, CUDA graphs, packed) vs Hugging Face
     DeepseekV4 (eager, compiled)."""
+    from dsv4.harness.errors import BadInput
+    from dsv4.model.model import HEAD_CE
     toks, names = parse_args(tokens, batch, impls, steps, warmup, False)
+    modes = tuple(m.strip() for m in head_ce.split(",") if m.strip())
+    bad = [m for m in modes if m not in HEAD_CE]
+    if bad or not modes or len(set(modes)) != len(modes):
+        raise BadInput(f"--head-ce: a comma list of distinct modes from {', '.join(HEAD_CE)}; got {head_ce!r}")
     doc = run(config, toks, batch, steps, warmup, names, backend, recompute_from, compile_, smoke=smoke,
-              profile=profile, out=out, append=append, doc_min=doc_min)
+              profile=profile, out=out, append=append, doc_min=doc_min, head_ces=modes)
     click.echo(json.dumps(doc, indent=1))    # the result, with or without --json (progress went to stderr)

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 from dsv4.kernels.cross_entropy import naive  # noqa: E402
 from dsv4.kernels.cross_entropy import triton as T  # noqa: E402
-from dsv4.model.model import IGNORE, head_cross_entropy  # noqa: E402
+from dsv4.model.model import HEAD_CE, IGNORE, head_cross_entropy  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 
@@ -90,10 +90,12 @@ def test_head_cross_entropy_triton_equals_naive(reduction):
         assert_rel(name, a, b, 1e-6)
 
 
-def test_head_cross_entropy_gradcheck_fp64_through_triton():
+@pytest.mark.parametrize("grads", HEAD_CE)
+def test_head_cross_entropy_gradcheck_fp64_through_triton(grads):
     y, W, lab = _head_case(6, 5, 37, torch.float64, 4)
     y.requires_grad_(), W.requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, b: head_cross_entropy(a, b, lab, chunk=4, backend="triton"), (y, W))
+    assert torch.autograd.gradcheck(lambda a, b: head_cross_entropy(a, b, lab, chunk=4, backend="triton",
+                                                                    grads=grads), (y, W))
 
 
 GPU_ONLY = pytest.mark.skipif(not CUDA, reason="bf16 kernels are judged on the GPU (the interpreter's bf16 stores truncate)")
@@ -126,3 +128,26 @@ def test_full_vocab_partial_last_block_bf16_on_gpu():
 def test_proxy_head_bf16_on_gpu():
     """The proxy head's block: C = 8192 rows, V = 32768."""
     _bf16_rows_on_gpu(8192, 32768, 0)
+
+
+@GPU_ONLY
+def test_head_grad_in_forward_equals_recompute_bf16_on_gpu():
+    """The proxy head at 16K rows (2 blocks of 8192, V = 32768, d = 2048), bf16, both gradient modes of the model's
+    head loss under an upstream gradient of 0.3 (the MTP coefficient's role): the same loss (the forward is the
+    same code), dy / dW by relative norm 1e-2 (the dlogits are rounded to bf16 scaled by 1 / n instead of
+    0.3 / n, and dy then rounded once more after the scaling: 2.5 bf16 unit roundoffs)."""
+    g = torch.Generator().manual_seed(5)
+    y = (torch.randn(16384, 2048, generator=g) * 0.5).to(torch.bfloat16).cuda()
+    W = (torch.randn(32768, 2048, generator=g) * 0.02).to(torch.bfloat16).cuda()
+    lab = torch.randint(0, 32768, (16384,), generator=g).cuda()
+    lab[::7] = IGNORE
+    out = {}
+    for grads in HEAD_CE:
+        yy, WW = y.clone().requires_grad_(), W.clone().requires_grad_()
+        loss = head_cross_entropy(yy, WW, lab, reduction="mean", backend="triton", grads=grads)
+        (0.3 * loss).backward()
+        out[grads] = (loss.detach(), yy.grad, WW.grad)
+    (la, dya, dwa), (lb, dyb, dwb) = out["grad_in_forward"], out["recompute"]
+    assert torch.equal(la, lb)
+    assert_rel("dy", dya, dyb, 1e-2)
+    assert_rel("dW", dwa, dwb, 1e-2)

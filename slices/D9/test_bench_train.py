@@ -167,6 +167,27 @@ def test_append_merges_and_replaces_by_key(tmp_path, monkeypatch):
     assert doc["ratios"] == {"ours_over_hf_eager@128": pytest.approx(ours128 / 100.0)}
 
 
+def test_head_ce_modes_are_rows_with_a_ratio(tmp_path, monkeypatch):
+    """--head-ce recompute,grad_in_forward: one ours row per mode (the model really switched: DSv4Model.set_head_ce
+    sees each), keyed apart by head_ce, HF rows once, and the ratio of the non-default row over the default one."""
+    seen = []
+    orig = DSv4Model.set_head_ce
+
+    def spy(self, mode):
+        seen.append(mode)
+        return orig(self, mode)
+    monkeypatch.setattr(DSv4Model, "set_head_ce", spy)
+    doc = _run(tmp_path, ["ours"], [256], head_ces=("recompute", "grad_in_forward"))
+    assert seen == ["recompute", "grad_in_forward"]
+    rows = {(r["impl"], r.get("head_ce")): r for r in doc["results"]}
+    assert set(rows) == {("ours", None), ("ours", "grad_in_forward")}
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows.values())
+    assert doc["ratios"] == {"ours[head_ce=grad_in_forward]_over_ours@256": pytest.approx(
+        rows[("ours", "grad_in_forward")]["tokens_per_s"] / rows[("ours", None)]["tokens_per_s"])}
+    again = bench.merge_results(doc["results"], [dict(rows[("ours", "grad_in_forward")], tokens_per_s=1.0)])
+    assert len(again) == 2 and [r["tokens_per_s"] for r in again if r.get("head_ce")] == [1.0]   # replaced by key
+
+
 @pytest.mark.parametrize("args,names", [
     (["--impls", "ours,bogus"], "--impls: unknown implementation 'bogus'"),
     (["--tokens", "1001", "--batch", "2"], "--tokens: 1001 is not a positive multiple of --batch 2"),
@@ -175,6 +196,8 @@ def test_append_merges_and_replaces_by_key(tmp_path, monkeypatch):
     (["--append", "--out", "{other}"], "is not a `dsv4 bench train` result"),
     (["--append", "--out", "{proxy}"], "was measured on config 'proxy', this run is 'debug'"),
     (["--append", "--out", "{h200}"], "was measured on platform 'h200', this run is 'cpu'"),
+    (["--head-ce", "recompute,fused"], "--head-ce: a comma list of distinct modes"),
+    (["--head-ce", "recompute,recompute"], "--head-ce: a comma list of distinct modes"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, args, names):
     files = {"{bad}": "not json", "{other}": json.dumps({"bench": "kernels", "ops": {}}),

@@ -14,7 +14,7 @@ from dsv4.kernels._testing import assert_rel
 from dsv4.model import DSv4Model
 from dsv4.model.config import get_config
 from dsv4.model.indexer import candidates_from_idx, indexer_kl_loss, indexer_teacher
-from dsv4.model.model import head_cross_entropy
+from dsv4.model.model import HEAD_CE, head_cross_entropy
 
 # fp64 paths that differ only in summation order: measured worst 8.9e-16 (|loss| 5.7; the same on all 11 simulated
 # hosts of harness/numerics.py: native, ATEN default/avx2/avx512, MKL_CBWR=COMPATIBLE/AVX2,
@@ -29,30 +29,54 @@ TOL_F64 = dict(atol=3e-14, rtol=0)
 REL_BF16 = 1e-2
 
 
-def test_head_cross_entropy_matches_materialised_logits():
+@pytest.mark.parametrize("grads", HEAD_CE)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_head_cross_entropy_matches_materialised_logits(grads, reduction):
+    """Both gradient modes of the blocked head loss against F.cross_entropy over materialised logits, under an
+    upstream gradient of 0.37 (so "grad_in_forward"'s backward must scale its kept dy / dW by it)."""
     g = torch.Generator().manual_seed(0)
     N, d, V = 53, 24, 97
     y = torch.randn(N, d, generator=g, dtype=torch.float64, requires_grad=True)
     W = (torch.randn(V, d, generator=g, dtype=torch.float64) * 0.3).requires_grad_()
     lab = torch.randint(0, V, (N,), generator=g)
     lab[[0, 7, 52]] = -100
-    ref = F.cross_entropy(F.linear(y, W), lab, ignore_index=-100)
-    gy, gW = torch.autograd.grad(ref, (y, W))
-    got = head_cross_entropy(y, W, lab, chunk=10)                       # 6 blocks, the last one short
-    hy, hW = torch.autograd.grad(got, (y, W))
-    torch.testing.assert_close(got, ref, **TOL_F64)
+    ref = F.cross_entropy(F.linear(y, W), lab, ignore_index=-100, reduction=reduction)
+    gy, gW = torch.autograd.grad(0.37 * ref, (y, W))
+    got = head_cross_entropy(y, W, lab, chunk=10, reduction=reduction, grads=grads)   # 6 blocks, the last short
+    hy, hW = torch.autograd.grad(0.37 * got, (y, W))
+    # the summed loss is ~50x the mean (286): its summation-order bound is relative, measured 2.0e-16 (x50 -> 1e-14)
+    torch.testing.assert_close(got, ref, **(TOL_F64 if reduction == "mean" else dict(atol=0, rtol=1e-14)))
     torch.testing.assert_close(hy, gy, **TOL_F64)
     torch.testing.assert_close(hW, gW, **TOL_F64)
 
 
-def test_head_cross_entropy_bf16_like_float_upcast():
+def test_head_cross_entropy_grad_in_forward_only_when_a_backward_can_follow():
+    """Under no_grad "grad_in_forward" forms no gradients (the same loss, nothing kept); with grad mode on it keeps
+    exactly dy and dW (not y, W or the log-sum-exp)."""
+    g = torch.Generator().manual_seed(2)
+    y = torch.randn(12, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(20, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    lab = torch.randint(0, 20, (12,), generator=g)
+    with torch.no_grad():
+        a = head_cross_entropy(y, W, lab, chunk=5, grads="grad_in_forward")
+    assert a.grad_fn is None
+    b = head_cross_entropy(y, W, lab, chunk=5, grads="grad_in_forward")
+    torch.testing.assert_close(a, b.detach(), **TOL_F64)
+    saved = b.grad_fn.saved_tensors
+    assert [tuple(t.shape) for t in saved] == [(12, 8), (20, 8)]
+    with pytest.raises(ValueError, match="grads must be one of"):
+        head_cross_entropy(y, W, lab, grads="fused")
+
+
+@pytest.mark.parametrize("grads", HEAD_CE)
+def test_head_cross_entropy_bf16_like_float_upcast(grads):
     g = torch.Generator().manual_seed(1)
     y = torch.randn(40, 32, generator=g).to(torch.bfloat16).requires_grad_()
     W = (torch.randn(64, 32, generator=g) * 0.2).to(torch.bfloat16).requires_grad_()
     lab = torch.randint(0, 64, (40,), generator=g)
     ref = F.cross_entropy(F.linear(y, W).float(), lab)
     gy, gW = torch.autograd.grad(ref, (y, W))
-    got = head_cross_entropy(y, W, lab, chunk=16)
+    got = head_cross_entropy(y, W, lab, chunk=16, grads=grads)
     hy, hW = torch.autograd.grad(got, (y, W))
     # loss: same fp32 math per row; measured 4.8e-7 with ATEN_CPU_CAPABILITY=avx2 (bit-equal on the other hosts), x12
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
@@ -179,6 +203,27 @@ def test_recompute_and_headless_loss_same_loss_and_grads():
         torch.testing.assert_close(g_rc[n], g_base[n], **TOL_F64, msg=n)
     for k in base.losses:
         torch.testing.assert_close(rc.losses[k], base.losses[k], **TOL_F64)
+
+
+def test_head_ce_grad_in_forward_same_loss_and_grads():
+    """DSv4Model.set_head_ce("grad_in_forward") against the default "recompute": the LM and MTP heads share W and
+    reach the loss with different weights (the MTP coefficient), so each call's kept dW must be scaled by its own
+    upstream gradient; every parameter's gradient agrees in fp64."""
+    torch.manual_seed(0)
+    cfg = get_config("debug")
+    assert cfg.num_nextn_predict_layers >= 1
+    m = DSv4Model(cfg).double().train()
+    ids = torch.randint(0, cfg.vocab_size, (2, 23))
+    base, g_base = _grads(m, ids, return_logits=False)
+    m.set_head_ce("grad_in_forward")
+    got, g_got = _grads(m, ids, return_logits=False)
+    torch.testing.assert_close(got.loss, base.loss, **TOL_F64)
+    assert g_got.keys() == g_base.keys()
+    for n in g_base:
+        # the same products in another order (g applied after the contraction): measured bit-equal or 1 ulp; TOL_F64
+        torch.testing.assert_close(g_got[n], g_base[n], **TOL_F64, msg=n)
+    with pytest.raises(ValueError, match="set_head_ce: unknown mode"):
+        m.set_head_ce("fused")
 
 
 def test_grouped_expert_path_matches_loop():
