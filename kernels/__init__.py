@@ -50,6 +50,7 @@ OPS: dict[str, dict[str, str]] = {
     "fp8_quantize": {"naive": "quant.naive:fp8_quantize", "triton": "quant.op:fp8_quantize"},
     "rms_norm": {"naive": "rmsnorm.naive:rms_norm", "triton": "rmsnorm.op:rms_norm"},
     "rope_rows": {"naive": "rope.naive:rope_rows", "triton": "rope.op:rope_rows"},
+    "norm_rope_rows": {"naive": "norm_rope.naive:norm_rope_rows", "triton": "norm_rope.op:norm_rope_rows"},
     "moe_combine": {"naive": "moe_combine.naive:moe_combine", "triton": "moe_combine.op:moe_combine"},
     "ce_lse": {"naive": "cross_entropy.naive:ce_lse", "triton": "cross_entropy.op:ce_lse"},
     "ce_dlogits": {"naive": "cross_entropy.naive:ce_dlogits", "triton": "cross_entropy.op:ce_dlogits"},

@@ -86,6 +86,8 @@ def _cases():
     ang = torch.rand(7, 4, device=DEV) * 9
     yield "rope_rows", (_r(7, 2, 12), ang.cos(), ang.sin(), False)
     yield "rope_rows", (_r(7, 1, 8), ang.cos(), ang.sin(), True)
+    yield "norm_rope_fwd", (_r(7, 2, 12), ang.cos(), ang.sin(), 1e-6)
+    yield "norm_rope_fwd", (_r(7, 3, 8), ang.cos() * 1.2, ang.sin() * 1.2, 1e-6)             # all rope, scaled
     order = torch.argsort(torch.rand(5, 3, device=DEV).argsort(1).view(-1), stable=True)   # 5 tokens, K = 3
     yield "moe_combine_fwd", (_r(15, 12), torch.rand(15, device=DEV, requires_grad=True), order // 3, 5, torch.float32)
     lab = torch.tensor([0, 6, 3, 6], device=DEV)
@@ -123,6 +125,7 @@ def _eager_calls():
     from dsv4.kernels.indexer import op as idx
     from dsv4.kernels.mhc import op as mhc
     from dsv4.kernels.moe_combine import op as moe
+    from dsv4.kernels.norm_rope import op as nr
     from dsv4.kernels.rmsnorm import op as rms
     from dsv4.kernels.rope import op as rope
     from dsv4.kernels.sparse_attn import op as sa
@@ -130,7 +133,8 @@ def _eager_calls():
     return {"sparse_attn_fwd": sa._sparse_attn, "compress_pool_fwd": comp._compress_pool,
             "indexer_scores_fwd": idx._scores, "indexer_scores_listed_fwd": idx._scores_listed,
             "hc_pre_fwd": mhc._hc_pre, "hc_post_fwd": mhc._hc_post, "clamped_swiglu_fwd": sw._swiglu,
-            "rms_norm_fwd": rms._rms_norm, "rope_rows": rope._rope_rows, "moe_combine_fwd": moe._moe_combine}
+            "rms_norm_fwd": rms._rms_norm, "rope_rows": rope._rope_rows, "moe_combine_fwd": moe._moe_combine,
+            "norm_rope_fwd": nr._norm_rope}
 
 
 def _leaves(args):
@@ -171,7 +175,7 @@ def test_eager_calls_equal_the_custom_ops_bit_for_bit_and_skip_the_dispatcher():
                 assert x.grad is not None and torch.equal(x.grad, y.grad), name
         ops = dispatched_ops(lambda: calls[name](*_leaves(args)))
         assert not any(k.startswith(("rms_norm", "rope_rows", "hc_", "sparse_attn", "compress_pool", "indexer_scores",
-                                     "clamped_swiglu", "moe_combine")) for k in ops), (name, ops)
+                                     "clamped_swiglu", "moe_combine", "norm_rope")) for k in ops), (name, ops)
         with FakeTensorMode() as mode:
             fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
             out = calls[name](*fake)                   # the eager body would launch Triton on fake tensors

@@ -7,7 +7,8 @@ h [B,S,d] (already normed) is flattened to the stream x [T,d]; the layout gives 
 (`gather_entries`). Token-major (THD) throughout:
 
     cQ = q_norm(x @ wq_a^T)                          [T,d_c]     weighted RMSNorm
-    q  = RMSNorm_unweighted_per_head(cQ @ wq_b^T)    [T,H,c];    RoPE on the last r dims (query position)
+    q  = RMSNorm_unweighted_per_head(cQ @ wq_b^T)    [T,H,c];    RoPE on the last r dims (query position);
+                                                                 one op (RotaryTable.norm_rotate)
     kv = kv_norm(x @ wkv^T)                          [T',c];     RoPE on the last r dims; K = V = kv
     comp = compressor(x)                             [N,c]       CSA / HCA only (§6), per document, static slots
     sel  = indexer(x, cQ) top-k                      [T,k]       CSA only (§7); HCA attends all visible entries
@@ -46,7 +47,7 @@ from dsv4.kernels.indexer.naive import causal_entry_mask
 from .indexer import Indexer, candidates_from_idx, indexer_kl_loss, indexer_teacher, indexer_teacher_listed
 from .layout import Layout
 from .losses import AuxLosses
-from .norm import RMSNorm, rms_norm
+from .norm import RMSNorm
 from .rope import RotaryTable, rope_table_name
 
 
@@ -161,7 +162,7 @@ class DSv4Attention(nn.Module):
         T = xl.shape[0]
         cq = self.q_norm(self.wq_a(xl))                                         # [T, d_c]
         q = self.wq_b(cq).view(T, H, c)                                         # [T, H, c]
-        q = self.rope(rms_norm(q, None, self.eps, backend), rq)                 # per-head, unweighted
+        q = self.rope.norm_rotate(q, rq, self.eps, backend)                     # per-head unweighted RMSNorm, RoPE
         kv = self.rope(self.kv_norm(self.wkv(x)), rope_pos)                     # [T', c] halo + local keys
 
         if B == 1:

@@ -41,7 +41,6 @@ from dsv4.kernels.sparse_attn import sparse_attn
 
 from .mhc import expand_streams, hc_head
 from .moe import MoE
-from .norm import rms_norm
 
 
 class CacheError(ValueError):
@@ -216,7 +215,7 @@ def attention_step(attn, h: torch.Tensor, lc: LayerCache, rows, backend: str | N
     # --- the projections of DSv4Attention.forward, on the new tokens
     cq = attn.q_norm(attn.wq_a(x))
     q = attn.wq_b(cq).view(B * n, H, c)
-    q = attn.rope(rms_norm(q, None, attn.eps), pos_all)
+    q = attn.rope.norm_rotate(q, pos_all, attn.eps)
     kv = attn.rope(attn.kv_norm(attn.wkv(x)), pos_all)
     if attn.compressor is not None:
         ckv, cg = attn.compressor.wkv(x), attn.compressor.wgate(x)

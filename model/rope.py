@@ -23,6 +23,7 @@ import math
 import torch
 from torch import nn
 
+from dsv4.kernels.norm_rope import norm_rope_rows
 from dsv4.kernels.rope import rope_rows
 from dsv4.kernels.rope.naive import rotate_pairs
 
@@ -102,14 +103,9 @@ def _check_widths(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_di
         raise RopeError(f"rope: rope_dim {rope_dim} must be even and <= head dim {x.shape[-1]}")
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
-               inverse: bool = False, scale: float = 1.0, backend: str = "naive") -> torch.Tensor:
-    """Rotate the last `rope_dim` dims of x by `positions` (inverse: by -positions).
-
-    positions' shape is a prefix of x's shape (e.g. [S] for SBHD x [S,B,H,c] or compressed [T,B,c], or [S,B]);
-    the remaining dims are broadcast. `scale` multiplies cos and sin (HF's YaRN attention_factor; 1 = none).
-    The rotation is kernels/rope `rope_rows` on the view x [P, G, c] (P = positions, G = the broadcast rows).
-    """
+def _rows(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int, scale: float):
+    """(x as [P, G, c], cos [P, r/2], sin [P, r/2]): the kernels' row layout of x at `positions` (a prefix of x's
+    shape; the remaining dims broadcast), the angles in fp32 (fp64 for fp64 x), times `scale`."""
     if tuple(positions.shape) != tuple(x.shape[: positions.dim()]) or positions.dim() >= x.dim():
         raise RopeError(f"rope: positions shape {tuple(positions.shape)} is not a prefix of x's leading dims "
                         f"{tuple(x.shape[:-1])}")
@@ -119,9 +115,28 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
         cos, sin = cos * scale, sin * scale                                 # HF: freqs.cos() * attention_scaling
     _check_widths(x, cos, sin, rope_dim)
     P, G = positions.numel(), math.prod(x.shape[positions.dim():-1])
-    x3 = x.reshape(P, G, x.shape[-1])                                       # [P, G, c]
-    y = rope_rows(x3, cos.reshape(P, cos.shape[-1]), sin.reshape(P, sin.shape[-1]), inverse, backend=backend)
-    return y.view(x.shape)
+    return x.reshape(P, G, x.shape[-1]), cos.reshape(P, cos.shape[-1]), sin.reshape(P, sin.shape[-1])
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
+               inverse: bool = False, scale: float = 1.0, backend: str = "naive") -> torch.Tensor:
+    """Rotate the last `rope_dim` dims of x by `positions` (inverse: by -positions).
+
+    positions' shape is a prefix of x's shape (e.g. [S] for SBHD x [S,B,H,c] or compressed [T,B,c], or [S,B]);
+    the remaining dims are broadcast. `scale` multiplies cos and sin (HF's YaRN attention_factor; 1 = none).
+    The rotation is kernels/rope `rope_rows` on the view x [P, G, c] (P = positions, G = the broadcast rows).
+    """
+    x3, cos, sin = _rows(x, positions, inv_freq, rope_dim, scale)
+    return rope_rows(x3, cos, sin, inverse, backend=backend).view(x.shape)
+
+
+def apply_norm_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int, eps: float,
+                    scale: float = 1.0, backend: str = "naive") -> torch.Tensor:
+    """`apply_rope(rms_norm(x, None, eps), ...)`: the unweighted RMSNorm of x's last dim, then the rotation, as one
+    op (kernels/norm_rope `norm_rope_rows`: its naive backend is those two reference ops; its Triton kernel keeps
+    the normed row in fp32 and, for the backward, the output instead of x)."""
+    x3, cos, sin = _rows(x, positions, inv_freq, rope_dim, scale)
+    return norm_rope_rows(x3, cos, sin, eps, backend=backend).view(x.shape)
 
 
 class RotaryTable(nn.Module):
@@ -146,6 +161,11 @@ class RotaryTable(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         return apply_rope(x, positions, self.inv_freq, self.rope_dim, inverse, self.scale, self.backend)
+
+    def norm_rotate(self, x: torch.Tensor, positions: torch.Tensor, eps: float,
+                    backend: str | None = None) -> torch.Tensor:
+        """forward(rms_norm(x, None, eps), positions) as one op (`apply_norm_rope`): the queries' per-head norm."""
+        return apply_norm_rope(x, positions, self.inv_freq, self.rope_dim, eps, self.scale, backend or self.backend)
 
     def extra_repr(self) -> str:
         return f"table={self.table}, rope_dim={self.rope_dim}" + (f", scale={self.scale}" if self.scale != 1 else "")

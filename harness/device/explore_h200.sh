@@ -4,11 +4,13 @@
 #      (every pruned config, gradients checked against the kernel as it is),
 #   2. `profile_step --by-source` of the proxy step at 16K tokens (B=2): the step's kernel time by the model /
 #      kernels line that issued it, forward and backward apart (where the ~70 ms of bandwidth-bound kernels come from),
-#   3. the sparse-attention GPU tests, cut at TEST_TIMEOUT (the file takes more than 150 s on a
-#      cold cache); the default limits, 180 + 240 + 100 s, fit one 600-s call.
+#   3. the GPU tests of session 19's kernel changes (kernels/norm_rope, the MoE slot permutation's backward in
+#      kernels/moe_combine, the head cross-entropy's grad_in_forward in kernels/cross_entropy), cut at NEW_TIMEOUT,
+#   4. the sparse-attention GPU tests, cut at TEST_TIMEOUT (the file takes more than 150 s on a
+#      cold cache); the default limits, 180 + 220 + 80 + 100 s, fit one 600-s call.
 # Everything lands in $OUT: env.txt, keymajor.log + sparse_bwd_keymajor.json, profile.log + profile_16384.txt +
-# profile_16384_sources.json, pytest_sparse_attn.log, summary.txt. Knobs: SKIP=<step numbers>, KM_TIMEOUT,
-# PROF_TIMEOUT, TEST_TIMEOUT, TOKENS (profile), DSV4_GIT_SHA.
+# profile_16384_sources.json, pytest_new.log, pytest_sparse_attn.log, summary.txt. Knobs: SKIP=<step numbers>, KM_TIMEOUT,
+# PROF_TIMEOUT, NEW_TIMEOUT, TEST_TIMEOUT, TOKENS (profile), DSV4_GIT_SHA.
 # Example: run(command="DSV4_GIT_SHA=<sha> bash harness/device/explore_h200.sh", timeout_s=600)
 set -u
 export PYTHONUNBUFFERED=1
@@ -25,8 +27,10 @@ step() { local n=$1 name=$2 t=$3; shift 3; case " ${SKIP:-} " in *" $n "*) retur
          local s=$(date +%s); timeout "$t" bash -c "$*" > "$OUT/$name.log" 2>&1
          echo "$name rc=$? $(( $(date +%s) - s ))s" | tee -a "$OUT/summary.txt"; }
 step 1 keymajor "${KM_TIMEOUT:-180}" "python3 harness/device/sparse_bwd_keymajor.py ab"
-step 2 profile "${PROF_TIMEOUT:-240}" "python3 -m dsv4.harness.train.profile_step --tokens ${TOKENS:-16384} --batch 2 --by-source --out $OUT"
-step 3 pytest_sparse_attn "${TEST_TIMEOUT:-100}" "python3 -m pytest -q -p no:cacheprovider kernels/sparse_attn/test_sparse_attn.py"
+step 2 profile "${PROF_TIMEOUT:-220}" "python3 -m dsv4.harness.train.profile_step --tokens ${TOKENS:-16384} --batch 2 --by-source --out $OUT"
+step 3 pytest_new "${NEW_TIMEOUT:-80}" "python3 -m pytest -q -p no:cacheprovider kernels/norm_rope kernels/moe_combine \
+  kernels/cross_entropy/test_cross_entropy.py"
+step 4 pytest_sparse_attn "${TEST_TIMEOUT:-100}" "python3 -m pytest -q -p no:cacheprovider kernels/sparse_attn/test_sparse_attn.py"
 python3 - "$OUT/sparse_bwd_keymajor.json" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
 try:
@@ -38,4 +42,4 @@ best = min(ok, key=lambda r: r["ms"]) if ok else None
 print(f"as is {d['as_is_ms']:.3f} ms, window part {d['window_only_ms']:.3f} ms; best key-major "
       f"{best['ms']:.3f} ms {best['config']} within bounds {best['within_bounds']}" if best else "no key-major row")
 PY
-tail -1 "$OUT/pytest_sparse_attn.log" 2>/dev/null | tee -a "$OUT/summary.txt"
+for f in pytest_new pytest_sparse_attn; do tail -1 "$OUT/$f.log" 2>/dev/null | tee -a "$OUT/summary.txt"; done
