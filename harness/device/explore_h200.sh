@@ -5,7 +5,8 @@
 #   2. `profile_step --by-source` of the proxy step at 16K tokens (B=2): the step's kernel time by the model /
 #      kernels line that issued it, forward and backward apart (where the ~70 ms of bandwidth-bound kernels come from),
 #   3. the GPU tests of session 19's kernel changes (kernels/norm_rope, the MoE slot permutation's backward in
-#      kernels/moe_combine, the head cross-entropy's grad_in_forward in kernels/cross_entropy), cut at NEW_TIMEOUT,
+#      kernels/moe_combine, the head cross-entropy's grad_in_forward in kernels/cross_entropy, the listed-scores
+#      backward's [N, queries, nI] S in kernels/indexer), cut at NEW_TIMEOUT,
 #   4. the sparse-attention GPU tests, cut at TEST_TIMEOUT (the file takes more than 150 s on a
 #      cold cache); the default limits, 180 + 220 + 80 + 100 s, fit one 600-s call.
 # Everything lands in $OUT: env.txt, keymajor.log + sparse_bwd_keymajor.json, profile.log + profile_16384.txt +
@@ -29,7 +30,7 @@ step() { local n=$1 name=$2 t=$3; shift 3; case " ${SKIP:-} " in *" $n "*) retur
 step 1 keymajor "${KM_TIMEOUT:-180}" "python3 harness/device/sparse_bwd_keymajor.py ab"
 step 2 profile "${PROF_TIMEOUT:-220}" "python3 -m dsv4.harness.train.profile_step --tokens ${TOKENS:-16384} --batch 2 --by-source --out $OUT"
 step 3 pytest_new "${NEW_TIMEOUT:-80}" "python3 -m pytest -q -p no:cacheprovider kernels/norm_rope kernels/moe_combine \
-  kernels/cross_entropy/test_cross_entropy.py"
+  kernels/cross_entropy/test_cross_entropy.py 'kernels/indexer/test_indexer.py::test_listed_scores_bf16_matches_naive_on_gpu'"
 step 4 pytest_sparse_attn "${TEST_TIMEOUT:-100}" "python3 -m pytest -q -p no:cacheprovider kernels/sparse_attn/test_sparse_attn.py"
 python3 - "$OUT/sparse_bwd_keymajor.json" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys

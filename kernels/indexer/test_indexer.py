@@ -292,15 +292,16 @@ def test_listed_scores_op_matches_naive_with_gradients():
         assert_close(n, a, b, 1e-5, 1e-5)
 
 
+@pytest.mark.parametrize("nI", [3, 16])     # the S store with its head mask (NP 16 > nI) and without (NP == nI)
 @pytest.mark.parametrize("route", ["gemm", "gemm_sub", "atomic"])
-def test_listed_scores_dk_routes_equal_naive(monkeypatch, route):
-    """dkI of the listed-scores backward by either route -- dd stored at its entries' columns of a dense S and
+def test_listed_scores_dk_routes_equal_naive(monkeypatch, route, nI):
+    """dkI of the listed-scores backward by either route -- dd stored at its entries' rows of a dense S and
     one GEMM (N·nI <= DENSE_DK·k: the proxy's case; "gemm_sub": S of 7 queries at a time, several launches) or
     fp32 atomic adds (many entries per pick) -- == the naive autograd; dq / dw do not depend on the route
     (bit-equal). fp32: summation order only."""
     from dsv4.kernels.indexer import indexer_scores_listed
-    q, kI, w, idx, dI = _listed_case(11, drop=0.3)
-    nI, N, k = q.shape[1], kI.shape[0], idx.shape[1]
+    q, kI, w, idx, dI = _listed_case(11, nI=nI, drop=0.3)
+    N, k = kI.shape[0], idx.shape[1]
     assert N * nI <= tri.DENSE_DK * k
     base = tri.listed_scores_bwd(dI, q, kI, w, idx)
     if route == "gemm_sub":

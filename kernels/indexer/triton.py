@@ -440,10 +440,13 @@ def indexer_select(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, ratio: i
 #   dqI[t,h] = Σ_s dd[h,s] kI[idx[t,s]];  dkI[idx[t,s]] += Σ_h dd[h,s] qI[t,h]
 # One program per query (backward) or per (query, block of picks) (forward); the picked kI rows are gathered
 # into the tile and never exist as a [Tq, k, cI] tensor. dkI: while N·nI <= DENSE_DK·k (proxy; DSv4 up to 128K
-# tokens at nI = 64 / k = 1024 ... see op.py) the backward stores dd at its entries' columns of a dense
-# S [queries, nI, N] (plain stores: a query's picks are distinct) and dkI = Sᵀ qI is one GEMM per sub-chunk of
-# queries: fp32 atomics (the other route, many entries per pick) cost ~5 ns an add here (the sparse-attention
-# backward's dKV adds: >= 200 G adds/s measured on the H200), 1.1 G adds per 16K-token call.
+# tokens at nI = 64 / k = 1024 ... see op.py) the backward stores dd at its entries' rows of a dense
+# S [N, queries, nI] (plain stores: a query's picks are distinct) and dkI = S qI is one GEMM per sub-chunk of
+# queries. A pick's nI heads are one contiguous run of S (a whole 32-byte sector at nI 16, stored 4 heads = 8 bytes
+# a thread when nI is a power of two); the [queries, nI, N] layout before 2026-12-04 put them nI rows N apart, one
+# 2-byte store and one partial sector each (not yet timed against each other on the H200). fp32 atomics (the other
+# route, many entries per pick) cost ~5 ns an add here (the sparse-attention backward's dKV adds: >= 200 G adds/s
+# measured on the H200), 1.1 G adds per 16K-token call.
 _LIST_FWD_CONFIGS = configs(gpu=[dict(BK=64, num_warps=4, num_stages=2), dict(BK=128, num_warps=4, num_stages=2)],
                             cpu=dict(BK=16, num_warps=4, num_stages=1))
 _LIST_BWD_CONFIGS = configs(gpu=[dict(BK=32, num_warps=4, num_stages=2), dict(BK=64, num_warps=4, num_stages=2)],
@@ -473,9 +476,9 @@ def _listed_fwd(Q, K, W, IDX, OUT, sq_t, sq_h, sk, sw, si, NI, CI, k, coef,
 # test of that route saw dkI ~2900x too large, 2026-12-03; the S-GEMM route, the proxy's, only stores)
 @triton.autotune(**_LIST_BWD_CONFIGS, key=["NP", "CP", "DENSE"], reset_to_zero=["DK"])
 @triton.jit
-def _listed_bwd(Q, K, W, IDX, DI, DQ, DW, S, DK, t0, sq_t, sq_h, sk, sw, si, NI, CI, k, N, coef,
+def _listed_bwd(Q, K, W, IDX, DI, DQ, DW, S, DK, t0, R, sq_t, sq_h, sk, sw, si, NI: tl.constexpr, CI, k, N, coef,
                 NP: tl.constexpr, CP: tl.constexpr, PREC: tl.constexpr, DENSE: tl.constexpr, BK: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)                                              # row of S (query t0 + r)
+    r = tl.program_id(0).to(tl.int64)                                              # query t0 + r of the R in S
     t = t0 + r
     h = tl.arange(0, NP)
     c = tl.arange(0, CP)
@@ -496,9 +499,12 @@ def _listed_bwd(Q, K, W, IDX, DI, DQ, DW, S, DK, t0, sq_t, sq_h, sk, sw, si, NI,
         dw += tl.sum(tl.maximum(d, 0.0) * g[None, :], 1)
         dd = tl.where(d > 0, g[None, :] * w[:, None], 0.0)                          # [NP, BK] fp32
         dq += tl.dot(dd.to(kt.dtype), kt, input_precision=PREC)
-        if DENSE:   # S[r, h, col] = dd (bf16 in training: what the GEMM reads)
-            tl.store(S + (r * NI + h[:, None]) * N + col[None, :], dd.to(S.dtype.element_ty),
-                     mask=hm[:, None] & live[None, :])
+        if DENSE:   # S[col, r, h] = dd (bf16 in training: what the GEMM reads); a pick's nI heads are adjacent
+            if NP == NI:    # no head mask: vector stores (a mask on h splits them into 2-byte ones; sm_90 PTX)
+                tl.store(S + (col[None, :] * R + r) * NI + h[:, None], dd.to(S.dtype.element_ty), mask=live[None, :])
+            else:
+                tl.store(S + (col[None, :] * R + r) * NI + h[:, None], dd.to(S.dtype.element_ty),
+                         mask=hm[:, None] & live[None, :])
         else:
             dkt = tl.dot(tl.trans(dd.to(kt.dtype)), qk, input_precision=PREC)      # [BK, CP]
             tl.atomic_add(DK + col[:, None] * CI + c[None, :], dkt, mask=live[:, None] & cm[None, :], sem="relaxed")
@@ -545,10 +551,10 @@ def listed_scores_bwd(dI: torch.Tensor, qI: torch.Tensor, kI: torch.Tensor, w: t
     coef = (nI * cI) ** -0.5
     for b in range(0, Tq, sub):
         e = min(b + sub, Tq)
-        S = torch.zeros(e - b, nI, N, device=qI.device, dtype=kI.dtype) if dense else dk      # dummy if not dense
-        _listed_bwd[(e - b,)](qI, kI, w, idx, dI, dq, dw, S, dk, b, qI.stride(0), qI.stride(1), kI.stride(0),
-                              w.stride(0), idx.stride(0), nI, cI, k, N, coef, NP=pow2(nI), CP=pow2(cI),
+        S = torch.zeros(N, e - b, nI, device=qI.device, dtype=kI.dtype) if dense else dk      # dummy if not dense
+        _listed_bwd[(e - b,)](qI, kI, w, idx, dI, dq, dw, S, dk, b, e - b, qI.stride(0), qI.stride(1),
+                              kI.stride(0), w.stride(0), idx.stride(0), nI, cI, k, N, coef, NP=pow2(nI), CP=pow2(cI),
                               PREC=_prec(qI), DENSE=dense)
-        if dense:                                                                   # dkI += Sᵀ qI  [N, cI]
-            dk += (S.flatten(0, 1).t() @ qI[b:e].flatten(0, 1).to(kI.dtype)).float()
+        if dense:                                                                   # dkI += S qI  [N, cI]
+            dk += (S.view(N, -1) @ qI[b:e].flatten(0, 1).to(kI.dtype)).float()
     return dq, dk.to(kI.dtype), dw
