@@ -331,8 +331,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
             ctx.save_for_backward(dy, dw)
         else:
             ctx.save_for_backward(y, weight, safe, valid, lse, n)
-        ctx.chunk, ctx.mean, ctx.backend, ctx.grad_in_forward, ctx.w_dtype = chunk, mean, backend, grad_in_forward, \
-            weight.dtype
+        ctx.chunk, ctx.mean, ctx.backend = chunk, mean, backend
+        ctx.grad_in_forward, ctx.w_dtype = grad_in_forward, weight.dtype
         return total / n if mean else total                                    # mean: nan if all are ignored
 
     @staticmethod

@@ -307,9 +307,7 @@ def _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, pr
         model = build_ours(cfg, backend, device, mode or False)
         rec["recompute"] = T >= recompute_from                 # whole-block activation recompute
         model.set_recompute(rec["recompute"])
-        model.set_head_ce(head_ce)                             # DSv4Model.set_head_ce (a row key when not default)
-        if head_ce != "recompute":
-            rec["head_ce"] = head_ce
+        model.set_head_ce(head_ce)                             # DSv4Model.set_head_ce (`run` keys the row by it)
     else:
         model = build_hf(cfg, device, mode is not None)
     if packed:
@@ -407,9 +405,11 @@ def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: i
     plan = [(impl, T, h) for impl in names for T in toks
             for h in (head_ces if IMPLS[impl][0] == "ours" else ("recompute",))]
     for impl, T, h in plan:
+        tag = {"head_ce": h} if h != "recompute" else {}   # a row key only when not the default
+
         def timed(rec):                # the timed row on disk before its profile step (`_row`)
             if out:
-                atomic_write_json(out, doc(dict(rec, **where)))
+                atomic_write_json(out, doc(dict(rec, **tag, **where)))
         try:
             rec = _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, profile, doc_min,
                        on_timed=timed, head_ce=h)
@@ -418,9 +418,7 @@ def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: i
         except Exception as e:  # noqa: BLE001 - a peer failing is a result, recorded with its reason
             rec = {"impl": impl, "tokens": T, "batch": batch, "seq": T // batch,
                    "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        if h != "recompute":
-            rec["head_ce"] = h
-        rec.update(where)
+        rec.update(tag, **where)
         new.append(rec)
         _log(_progress(rec))
         if IMPLS[impl][1]:             # compiled: drop Dynamo's caches and the cudagraph trees' memory pool

@@ -501,10 +501,10 @@ def _listed_bwd(Q, K, W, IDX, DI, DQ, DW, S, DK, t0, R, sq_t, sq_h, sk, sw, si, 
         dq += tl.dot(dd.to(kt.dtype), kt, input_precision=PREC)
         if DENSE:   # S[col, r, h] = dd (bf16 in training: what the GEMM reads); a pick's nI heads are adjacent
             if NP == NI:    # no head mask: vector stores (a mask on h splits them into 2-byte ones; sm_90 PTX)
-                tl.store(S + (col[None, :] * R + r) * NI + h[:, None], dd.to(S.dtype.element_ty), mask=live[None, :])
+                smask = live[None, :]
             else:
-                tl.store(S + (col[None, :] * R + r) * NI + h[:, None], dd.to(S.dtype.element_ty),
-                         mask=hm[:, None] & live[None, :])
+                smask = hm[:, None] & live[None, :]
+            tl.store(S + (col[None, :] * R + r) * NI + h[:, None], dd.to(S.dtype.element_ty), mask=smask)
         else:
             dkt = tl.dot(tl.trans(dd.to(kt.dtype)), qk, input_precision=PREC)      # [BK, CP]
             tl.atomic_add(DK + col[:, None] * CI + c[None, :], dkt, mask=live[:, None] & cm[None, :], sem="relaxed")
