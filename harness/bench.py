@@ -368,18 +368,24 @@ def _bench_indexer(seqs, log):
             "targets": {"fwd_tflops_bf16": 400, "select_tflops_bf16": 450}}
 
 
+RERANK_MARGINS = (0.1, 0.25)      # the FP8 indexer's re-rank margins timed (CPU, randn, k 512: recall 0.9965 / 0.99995)
+
+
 def _cudnn_indexer_cols(q, kk, w, ratio, meta, k, row, fn=None, capability=None) -> dict:
     """Backend "triton+cudnn" (kernels/indexer/cudnn_fwd.py) beside ours on this row's inputs, per precision p in
     bf16 / fp8 (fp8: the indexer's FP8 features of the same inputs, kernels/indexer/fp4.py qk_fake_quant):
     `cudnn_{p}_fwd_ms` the whole backend call (offset, cuDNN, our mask; fp8 also the e4m3 split), `cudnn_{p}_kernel_ms`
     cuDNN's call alone on the prepared arguments, TFLOP/s of both over the causal pairs, the max |diff| vs the Triton
     scores of the same features, `cudnn_{p}_select_ms` (its scores + our top-k), `ours_fwd_over_cudnn_bf16` (> 1:
-    ours slower); `cudnn_fp8_topk_recall_vs_bf16` (queries with >= k visible entries); else {"cudnn": reason}."""
+    ours slower); `cudnn_fp8_topk_recall_vs_bf16` (queries with >= k visible entries); per margin m of
+    RERANK_MARGINS the FP8 pre-filter + bf16 re-rank (kernels/indexer/fp4.py `rerank_topk`: the FP8 top
+    ceil(k (1 + m)), its k best by the bf16 listed scores): `cudnn_fp8_rerank{m}_select_ms` / `_tflops` (the causal
+    pairs' FLOPs, as select_tflops) and `_topk_recall_vs_bf16`; else {"cudnn": reason}."""
     import torch
 
     from dsv4.kernels.indexer import cudnn_fwd as CF
     from dsv4.kernels.indexer import indexer_topk, naive, op
-    from dsv4.kernels.indexer.fp4 import qk_fake_quant, topk_recall
+    from dsv4.kernels.indexer.fp4 import picks_recall, qk_fake_quant, rerank_topk, rerank_width, topk_recall
     fn = CF.load()[0] if fn is None else fn
     cap = CF.capability(q) if capability is None else capability
     why = CF.unqualified(q, kk, w, "bf16", fn, cap)
@@ -416,6 +422,17 @@ def _cudnn_indexer_cols(q, kk, w, ratio, meta, k, row, fn=None, capability=None)
                 out["ours_fwd_over_cudnn_bf16"] = row["fwd_ms"] / out["cudnn_bf16_fwd_ms"]
             out["cudnn_fp8_topk_recall_vs_bf16"] = topk_recall(picks["fp8"].cpu(), picks["bf16"].cpu(), k,
                                                                min_visible=k)
+            q8f, k8f = qk_fake_quant(q, "fp8"), qk_fake_quant(kk, "fp8")
+            for m in RERANK_MARGINS:            # fp8 pre-filter of k' = ceil(k (1 + m)), bf16 re-rank to k
+                def rerank_select():
+                    I8 = op.indexer_scores_cudnn(q8f, k8f, w, ratio, *meta, "fp8", fwd_fn=fn, capability=cap)
+                    wide = indexer_topk(I8.bfloat16(), rerank_width(k, I8.shape[-1], m), backend="triton")
+                    return rerank_topk(wide, q, kk, w, k, backend="triton")
+                ms = _ms(rerank_select, rep=30)
+                out[f"cudnn_fp8_rerank{m}_select_ms"] = ms
+                out[f"cudnn_fp8_rerank{m}_select_tflops"] = fl / ms * 1e-9
+                out[f"cudnn_fp8_rerank{m}_topk_recall_vs_bf16"] = picks_recall(rerank_select(), picks["bf16"], k,
+                                                                               min_visible=k)
     except Exception as e:  # noqa: BLE001
         out["cudnn"] = _err(repr(e))
     return out

@@ -11,6 +11,9 @@ Scores (kernel op `indexer_scores`, fp32), on a packed token stream (model/layou
 Top-k (`indexer_topk`): the min(k, N) best entries, ties -> lower index first, -1 for not visible picks.
 QK precision (`qk_precision`, set from outside by the precision recipe, model/lowp/recipe.py): "bf16" (the
 scores above), "fp8" or "fp4" (Hadamard-rotated qI, KI fake-quantised, BF16 scores; kernels/indexer/fp4.py).
+`qk_rerank` m > 0 (recipe `indexer_qk_rerank`) at fp8 / fp4: the low-precision scores pick k' = ceil(k (1 + m))
+entries, their high-precision listed scores pick the k (fp4.py `rerank_topk`), and the sparse-mode loss re-forms
+those high-precision scores; the dense [Tq, N] scores (and the dense-mode loss) stay low precision.
 Scoring forward on the "triton" backend (`scores_fwd`, DSv4Model.set_indexer_fwd): "triton" (default) | "cudnn"
 (NVIDIA cudnn-frontend's SM90 indexer forward, bf16 or at qk_precision "fp8" FP8 E4M3, + our Triton backward where
 the call qualifies, the Triton forward elsewhere; kernels/indexer/cudnn_fwd.py). The top-k is ours either way.
@@ -24,7 +27,8 @@ import torch
 from torch import nn
 
 from dsv4.kernels.indexer import indexer_scores, indexer_scores_listed, indexer_topk
-from dsv4.kernels.indexer.fp4 import qk_fake_quant, quantised_listed_scores, quantised_scores
+from dsv4.kernels.indexer.fp4 import (qk_fake_quant, quantised_listed_scores, quantised_scores, rerank_topk,
+                                      rerank_width)
 from dsv4.kernels.sparse_attn import entry_probs
 from dsv4.kernels.sparse_attn.naive import window_keys
 
@@ -48,6 +52,7 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
         self.rope = rope
         self.qk_precision = "bf16"            # "bf16" | "fp8" | "fp4" (kernels/indexer/fp4.py QK_PRECISIONS)
+        self.qk_rerank = 0.0                  # > 0 at fp8 / fp4: pick ceil(k (1 + it)), re-rank them in bf16
         self.scores_fwd = "triton"            # "triton" | "cudnn" (INDEXER_FWDS; no effect on the "naive" backend)
 
     def forward(self, x: torch.Tensor, cq: torch.Tensor, ctx, layout, backend: str = "naive",
@@ -67,14 +72,20 @@ class Indexer(nn.Module):
         q = self.rope(q, rope_pos[q0:])
         w = self.weights_proj(x[q0:])                                               # [Tq, n_I]
         quant = self.qk_precision != "bf16"
+        qs, ks = q, kI
         if quant:                                   # rotated + fake-quantised features (straight through)
-            q, kI = qk_fake_quant(q, self.qk_precision), qk_fake_quant(kI, self.qk_precision)
+            qs, ks = qk_fake_quant(q, self.qk_precision), qk_fake_quant(kI, self.qk_precision)
         sb = INDEXER_FWDS[self.scores_fwd] if backend == "triton" else backend      # the scoring's backend
         with torch.set_grad_enabled(dense_grad and torch.is_grad_enabled()):
-            scores = (quantised_scores(q, kI, w, self.ratio, seg[q0:], pos[q0:], eseg, ej, sb, self.qk_precision)
+            scores = (quantised_scores(qs, ks, w, self.ratio, seg[q0:], pos[q0:], eseg, ej, sb, self.qk_precision)
                       if quant else indexer_scores(q, kI, w, self.ratio, seg[q0:], pos[q0:], eseg, ej, backend=sb))
-        idx = indexer_topk(scores, self.topk, backend=backend)                      # [Tq, N] fp32 | bf16 -> [Tq, k]
-        feats = (q, kI, w, quant)
+        if quant and self.qk_rerank > 0:            # low precision pre-filters k', high precision picks the k
+            wide = indexer_topk(scores, rerank_width(self.topk, scores.shape[-1], self.qk_rerank), backend=backend)
+            idx = rerank_topk(wide, q, kI, w, self.topk, backend=backend)           # [Tq, k]
+            feats = (q, kI, w, False)               # the loss re-forms the scores that picked: high precision
+        else:
+            idx = indexer_topk(scores, self.topk, backend=backend)                  # [Tq, N] fp32 | bf16 -> [Tq, k]
+            feats = (qs, ks, w, quant)
         return (scores, idx, eseg, ej, feats) if return_feats else (scores, idx, eseg, ej)
 
     def extra_repr(self) -> str:

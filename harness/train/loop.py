@@ -3,6 +3,7 @@
     dsv4 train --recipe debug|tiny|proxy [--steps N] [--out DIR] [--resume DIR] [--seed S]
                [--device cpu|cuda] [--dtype fp32|bf16] [--save-interval K] [--json]
                [--precision bf16|fp8_tensor|fp8_block|fp4_qat] [--indexer-qk-precision bf16|fp8|fp4]
+               [--indexer-qk-rerank M]
 
 Per step: forward (LM + MTP + indexer + MoE aux losses inside the model), backward, gradient clipping, Muon +
 AdamW step with warm-up + cosine LR (harness/train/optim.py), MoE expert-bias update. Recorded per step, under
@@ -95,6 +96,7 @@ class Recipe:
     # --- X1 low precision (issue 17): a precision recipe of model/lowp/recipe.py, applied after the model is built
     precision: str | None = None    # None (off) | bf16 | fp8_tensor | fp8_block | fp4_qat
     indexer_qk_precision: str | None = None   # overrides the precision recipe's: bf16 | fp8 | fp4
+    indexer_qk_rerank: float | None = None    # overrides the recipe's re-rank margin (fp8 / fp4 picks re-ranked)
 
 
 RECIPES = {
@@ -397,7 +399,7 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
     model = model.to(device, torch.float64) if recipe.dtype == "fp64" else model.to(device)
     if recipe.recompute:
         model.set_recompute(True)
-    if recipe.precision is not None or recipe.indexer_qk_precision is not None:
+    if recipe.precision is not None or recipe.indexer_qk_precision is not None or recipe.indexer_qk_rerank is not None:
         _apply_precision(model, recipe)
     if recipe.backend != "naive":
         if recipe.backend != "triton" or not hasattr(model, "set_kernel_backend"):
@@ -606,6 +608,10 @@ def _apply_precision(model, recipe: Recipe) -> None:
             raise TrainError(f"train.indexer_qk_precision: must be {'|'.join(QK_PRECISIONS)}, "
                              f"got {recipe.indexer_qk_precision!r}")
         over["indexer_qk_precision"] = recipe.indexer_qk_precision
+    if recipe.indexer_qk_rerank is not None:
+        if not recipe.indexer_qk_rerank >= 0:
+            raise TrainError(f"train.indexer_qk_rerank: a margin >= 0, got {recipe.indexer_qk_rerank!r}")
+        over["indexer_qk_rerank"] = float(recipe.indexer_qk_rerank)
     apply_precision_recipe(model, get_recipe(name, **over))
 
 
@@ -658,6 +664,8 @@ def _cfg_dict(cfg, base_mtp) -> dict:
               "fp8_block | fp4_qat")
 @click.option("--indexer-qk-precision", default=None, help="the indexer's QK scoring: bf16 | fp8 | fp4 "
               "(overrides the precision recipe's)")
+@click.option("--indexer-qk-rerank", type=float, default=None, help="at fp8 / fp4 QK: the low-precision top "
+              "ceil(k (1 + M)) re-ranked by the bf16 scores (0 = off; overrides the precision recipe's)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON summary on stdout (strict JSON: non-finite "
               "floats as \"nan\" / \"inf\" / \"-inf\")")
 @click.option("--dp", type=int, default=None, help="data parallel (FSDP2) size; any parallel flag or torchrun's "
@@ -677,8 +685,8 @@ def _cfg_dict(cfg, base_mtp) -> dict:
               "outside FSDP) instead of FP32 masters under autocast; needs --dp > 1, --pp 1, --dtype fp32")
 def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, final_checkpoint, overwrite, threads,
               backend, text, text_errors, packing, compile_, cuda_graphs, init, sft_data, tokenizer, curriculum,
-              lr_schedule, decay_start, mtp_weight_after_decay, recompute, precision, indexer_qk_precision, as_json,
-              dp, pp, vpp, cp, ep, schedule, microbatches, timeout_s, optimizer, fsdp_bf16):
+              lr_schedule, decay_start, mtp_weight_after_decay, recompute, precision, indexer_qk_precision,
+              indexer_qk_rerank, as_json, dp, pp, vpp, cp, ep, schedule, microbatches, timeout_s, optimizer, fsdp_bf16):
     """Train a DSv4 model on one device (debug: seconds on CPU; tiny: the CPU loss-curve golden), or under
     torchrun on a (pp, dp, cp, ep) mesh with --dp/--pp/--vpp/--cp/--ep."""
     r = RECIPES[recipe]
@@ -689,7 +697,8 @@ def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, fi
                                  sft_data=sft_data, tokenizer=tokenizer, curriculum=curriculum,
                                  lr_schedule=lr_schedule, decay_start=decay_start,
                                  mtp_weight_after_decay=mtp_weight_after_decay, recompute=recompute,
-                                 precision=precision, indexer_qk_precision=indexer_qk_precision).items()
+                                 precision=precision, indexer_qk_precision=indexer_qk_precision,
+                                 indexer_qk_rerank=indexer_qk_rerank).items()
           if v is not None}
     try:
         if steps is not None and steps < 1:
@@ -709,7 +718,7 @@ def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, fi
         par = dict(dp=dp, pp=pp, vpp=vpp, cp=cp, ep=ep, schedule=schedule, microbatches=microbatches)
         if any(v is not None for v in par.values()) or optimizer is not None or fsdp_bf16 or \
                 int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            if r.precision is not None or r.indexer_qk_precision is not None:
+            if r.precision is not None or r.indexer_qk_precision is not None or r.indexer_qk_rerank is not None:
                 raise TrainError("train.precision: the distributed loop does not apply precision recipes (one "
                                  "device only)")
             from dsv4.harness.train.dist import train_distributed

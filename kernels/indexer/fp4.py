@@ -22,10 +22,18 @@ set by the precision recipe's `indexer_qk_precision`), shared with the FP8 index
     "fp4"   rotated qI, kI in MXFP4 (above), BF16 index scores
 Simulated (quantise-dequantise, exact on the CPU) with a straight-through gradient for the indexer's KL loss;
 only the QK scoring is low precision: the indexer's weights and projections stay high precision.
+
+Re-ranking (`rerank_topk`, Indexer.qk_rerank = margin m > 0, recipe `indexer_qk_rerank`): the low-precision scores
+pick a wider list of k' = ceil(k (1 + m)) entries (capped at N), the high-precision listed scores of those k'
+(`indexer_scores_listed` on the unquantised features, O(Tq k' n_I c_I)) pick the k, ordered as `indexer_topk`
+orders the high-precision scores (descending, ties -> lower entry index). The selection then equals the
+high-precision top-k whenever the wide list holds it, so the FP8 / FP4 scoring only pre-filters: recall vs bf16
+is the share of the bf16 top-k inside the wide list (e4m3's 3-bit mantissa alone gives 0.96-0.98 at k' = k).
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -112,6 +120,28 @@ def quantised_scores(qq: torch.Tensor, kq: torch.Tensor, w: torch.Tensor, ratio:
                           precision="fp8" if precision == "fp8" else "bf16").to(torch.bfloat16)
 
 
+def rerank_width(k: int, N: int, margin: float) -> int:
+    """k' = min(N, ceil(k (1 + margin))): the wide list the low-precision scores pick for `rerank_topk`."""
+    if margin < 0:
+        raise ValueError(f"indexer qk_rerank: the margin must be >= 0, got {margin!r}")
+    return min(N, math.ceil(k * (1.0 + margin) - 1e-9))
+
+
+def rerank_topk(wide: torch.Tensor, qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, k: int,
+                backend: str = "naive") -> torch.Tensor:
+    """wide [Tq,k'] (entries picked by low-precision scores, -1 = none) -> idx [Tq,min(k,k')] long: the k best
+    of them by the high-precision listed scores of qI [Tq,nI,cI], kI [N,cI], w [Tq,nI] (`indexer_scores_listed`,
+    no gradient), in `indexer_topk`'s order (descending, ties -> lower entry index), -1 where none is left."""
+    with torch.no_grad():
+        N = kI.shape[0]
+        key = torch.where(wide < 0, torch.full_like(wide, N), wide)
+        order = torch.sort(key, dim=-1, stable=True).values                # [Tq, k'] entry ascending, -1 last
+        cand = torch.where(order >= N, torch.full_like(order, -1), order)
+        s = indexer_scores_listed(qI, kI, w, cand, backend=backend)           # [Tq, k'] fp32, -inf at -1
+        pick = indexer_topk(s, k, backend=backend)                             # [Tq, min(k, k')] positions
+        return torch.where(pick < 0, pick, cand.gather(-1, pick.clamp_min(0)))
+
+
 def quantised_listed_scores(qq: torch.Tensor, kq: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
                             backend: str = "naive") -> torch.Tensor:
     """`quantised_scores` at the listed entries idx [Tq,k] only -> [Tq,k] (BF16 values in fp32, -inf at -1):
@@ -123,8 +153,14 @@ def quantised_listed_scores(qq: torch.Tensor, kq: torch.Tensor, w: torch.Tensor,
 def topk_recall(I_test: torch.Tensor, I_ref: torch.Tensor, k: int, min_visible: int = 1) -> float:
     """Mean over query rows (I [..., N]) with >= `min_visible` visible entries (>= 1; k = issue 14's "queries with
     at least k candidates") of |TopK(test) ∩ TopK(ref)| / |TopK(ref)| (-1s ignored)."""
-    a = indexer_topk(I_test.float(), k)
-    r = indexer_topk(I_ref.float(), k)
+    return picks_recall(indexer_topk(I_test.float(), k), I_ref, k, min_visible)
+
+
+def picks_recall(picks: torch.Tensor, I_ref: torch.Tensor, k: int, min_visible: int = 1) -> float:
+    """`topk_recall` of a selection already made: picks [..., k'] (entries, -1 = none; any k', e.g. the wide list
+    of `rerank_topk` or its result) against TopK(I_ref) [..., N]."""
+    a = picks.cpu()
+    r = indexer_topk(I_ref.float().cpu(), k)
     T = I_ref.shape[-1]
     hit = torch.zeros(*r.shape[:-1], T + 1, dtype=torch.bool)
     hit.scatter_(-1, torch.where(a < 0, T, a), True)
@@ -132,5 +168,5 @@ def topk_recall(I_test: torch.Tensor, I_ref: torch.Tensor, k: int, min_visible: 
     valid = r >= 0
     found = hit.gather(-1, torch.where(valid, r, T)) & valid
     n = valid.sum(-1)
-    rows = (n > 0) & (torch.isfinite(I_ref.float()).sum(-1) >= min_visible)
+    rows = (n > 0) & (torch.isfinite(I_ref.float().cpu()).sum(-1) >= min_visible)
     return float((found.sum(-1)[rows].float() / n[rows].float()).mean())

@@ -315,6 +315,22 @@ def test_model_switch_and_bench_reason():
     assert "no CUDA device" in r["cudnn"]["skipped"]
 
 
+def test_bench_columns_run_on_the_cpu_with_a_stand_in(monkeypatch):
+    """A dry run of the `dsv4 bench kernels` cudnn columns (bf16, fp8, the fp8 re-rank margins) on the CPU: the
+    stand-in as cuDNN, SM90 claimed, one call in place of do_bench (1 ms), the Triton top-k / listed scores on the
+    interpreter. It checks that the GPU row's code runs and emits its columns; the CPU numbers (timings, and
+    recalls computed with the interpreter's bf16 tl.dot, which is wrong) mean nothing."""
+    from dsv4.harness import bench
+    monkeypatch.setattr(bench, "_ms", lambda fn, rep=None: (fn(), 1.0)[1])
+    q, k, w, meta = _case("packed", 32, 128, 4, torch.bfloat16)
+    pairs = int(torch.isfinite(naive.indexer_scores(q, k, w, 4, *meta)).sum())
+    r = bench._cudnn_indexer_cols(q, k, w, 4, meta, 4, {"causal_pairs": pairs}, fn=stand_in, capability=(9, 0))
+    assert "cudnn" not in r, r
+    for m in bench.RERANK_MARGINS:
+        assert r[f"cudnn_fp8_rerank{m}_select_ms"] > 0 and 0.0 <= r[f"cudnn_fp8_rerank{m}_topk_recall_vs_bf16"] <= 1.0
+    assert 0.0 <= r["cudnn_fp8_topk_recall_vs_bf16"] <= 1.0 and r["cudnn_fp8_mask_equal"]
+
+
 # ------------------------------------------------------------------------------------------------------ GPU
 def _cudnn_here():
     if not CUDA:

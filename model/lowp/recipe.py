@@ -60,6 +60,8 @@ class PrecisionRecipe:
     expert_act_fp8: bool = False                 # fake-quantise the experts' input to e4m3 1x128 (STE)
     indexer_qk_precision: str = "bf16"           # "bf16" | "fp8" | "fp4": the indexer's QK scoring (Indexer.qk_precision,
                                                  # kernels/indexer/fp4.py); its weights stay high precision
+    indexer_qk_rerank: float = 0.0               # > 0 at fp8 / fp4: the low-precision top ceil(k (1 + it)) re-ranked
+                                                 # in high precision (Indexer.qk_rerank, fp4.py rerank_topk)
     high_precision: dict[str, str] = field(default_factory=lambda: dict(HIGH_PRECISION))
 
     def __post_init__(self):
@@ -70,6 +72,8 @@ class PrecisionRecipe:
         if self.indexer_qk_precision not in QK_PRECISIONS:
             raise ValueError(f"PrecisionRecipe.indexer_qk_precision: {'|'.join(QK_PRECISIONS)}, "
                              f"got {self.indexer_qk_precision!r}")
+        if not (isinstance(self.indexer_qk_rerank, (int, float)) and self.indexer_qk_rerank >= 0):
+            raise ValueError(f"PrecisionRecipe.indexer_qk_rerank: a margin >= 0, got {self.indexer_qk_rerank!r}")
 
     def high_precision_reason(self, path: str) -> str | None:
         for pat, why in self.high_precision.items():
@@ -198,6 +202,7 @@ def apply_precision_recipe(model: nn.Module, recipe: PrecisionRecipe | str,
     for path, mod in list(model.named_modules()):
         if isinstance(mod, Indexer):
             mod.qk_precision = recipe.indexer_qk_precision
+            mod.qk_rerank = float(recipe.indexer_qk_rerank)
             rep.indexers.append(path)
         if recipe.experts and isinstance(mod, Experts):
             enable_expert_qat(mod, recipe)

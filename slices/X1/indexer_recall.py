@@ -6,7 +6,9 @@ activations (issues 14 and 17):
 trains `--config` with `dsv4 train`'s loop (fp32, CPU; debug / tiny recipes), then runs the trained model on
 held-out text of `--eval-len` tokens with a forward hook on every CSA indexer that re-scores the same inputs
 (qI, KI, w) at qk_precision bf16 / fp8 / fp4 (Indexer.forward; kernels/indexer/fp4.py) and measures
-`topk_recall` over the queries with at least k visible entries. Prints one JSON line.
+`topk_recall` over the queries with at least k visible entries; with re-ranking (Indexer.qk_rerank = m for m in
+RERANK_MARGINS: the low-precision top ceil(k (1 + m)), its k best by the bf16 listed scores) the recall of the
+selection the indexer returns (`picks_recall`). Prints one JSON line.
 """
 from __future__ import annotations
 
@@ -18,12 +20,14 @@ from dataclasses import replace
 
 import torch
 
+RERANK_MARGINS = (0.25, 0.5)
+
 
 def recall_on_trained(config: str = "debug", steps: int = 30, eval_len: int = 256, seed: int = 1234) -> dict:
     from dsv4.harness.train import checkpoint as ckpt
     from dsv4.harness.train.data import GPTSamples, IndexedTokens
     from dsv4.harness.train.loop import RECIPES, build_model, train
-    from dsv4.kernels.indexer.fp4 import topk_recall
+    from dsv4.kernels.indexer.fp4 import picks_recall, topk_recall
     from dsv4.model.config import get_config
     from dsv4.model.indexer import Indexer
     with tempfile.TemporaryDirectory() as d:
@@ -41,14 +45,21 @@ def recall_on_trained(config: str = "debug", steps: int = 30, eval_len: int = 25
         for h in hooks:
             h.remove()
         res = {p: [] for p in ("fp8", "fp4")}
+        res.update({f"{p}_rerank{m}": [] for p in ("fp8", "fp4") for m in RERANK_MARGINS})
         for mod, args, kwargs in calls:
             scores = {}
             for p in ("bf16", "fp8", "fp4"):
                 mod.qk_precision = p
                 scores[p] = mod(*args, **kwargs)[0]
-            mod.qk_precision = "bf16"
-            for p in res:
+            for p in ("fp8", "fp4"):
                 res[p].append(topk_recall(scores[p], scores["bf16"], mod.topk, min_visible=mod.topk))
+                mod.qk_precision = p
+                for m in RERANK_MARGINS:
+                    mod.qk_rerank = m
+                    picks = mod(*args, **kwargs)[1]
+                    res[f"{p}_rerank{m}"].append(picks_recall(picks, scores["bf16"], mod.topk, min_visible=mod.topk))
+                mod.qk_rerank = 0.0
+            mod.qk_precision = "bf16"
     return {"config": config, "train_steps": steps, "eval_tokens": int(x.size), "indexer_calls": len(calls),
             "topk": calls[0][0].topk if calls else None,
             **{f"recall_{p}": sum(v) / len(v) for p, v in res.items()},

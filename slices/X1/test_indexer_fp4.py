@@ -164,11 +164,17 @@ def test_topk_recall_on_a_trained_model():
     queries with >= k visible entries, on the activations of the debug model after 12 training steps
     (slices/X1/indexer_recall.py). Measured: fp8 0.937, fp4 0.746 (k = 4, c_I = 16); bounds 0.90 / 0.65 (the
     measured values less 4 and 13 points). `python -m dsv4.slices.X1.indexer_recall --config tiny --steps 100`:
-    fp8 0.968, fp4 0.883 (k = 8, c_I = 32, 1024 held-out tokens)."""
+    fp8 0.968, fp4 0.883 (k = 8, c_I = 32, 1024 held-out tokens).
+    Re-ranked (Indexer.qk_rerank: the fp8 top ceil(k (1 + m)) re-ranked in bf16, test_indexer_rerank.py), measured
+    on this debug run: m 0.25 (k' 5) 0.985, m 0.5 (k' 6) 0.995; bounds 0.97 / 0.985 (measured less 1.5 / 1 point).
+    On tiny (k 8, 100 steps, 2048 held-out tokens, 2026-12-05): fp8 0.962, m 0.25 0.996, m 0.5 0.9994."""
     from dsv4.slices.X1.indexer_recall import recall_on_trained
     r = recall_on_trained("debug", steps=12, eval_len=256)
     assert r["indexer_calls"] >= 1
     assert 0.90 <= r["recall_fp8"] < 1.0 and 0.65 <= r["recall_fp4"] < r["recall_fp8"], r
+    assert r["recall_fp8"] < r["recall_fp8_rerank0.25"] <= r["recall_fp8_rerank0.5"], r
+    assert r["recall_fp8_rerank0.25"] >= 0.97 and r["recall_fp8_rerank0.5"] >= 0.985, r
+    assert r["recall_fp4"] < r["recall_fp4_rerank0.5"], r
 
 
 def test_sparse_mode_listed_scores_from_quantised_features_equal_the_dense_scores_at_the_picks():

@@ -67,3 +67,6 @@ def test_train_refuses_an_unknown_precision(tmp_path):
     r = CliRunner().invoke(train_cmd, ["--recipe", "debug", "--steps", "1", "--out", str(tmp_path / "s"),
                                        "--indexer-qk-precision", "int8"])
     assert r.exit_code == 2 and "train.indexer_qk_precision: must be bf16|fp8|fp4" in r.output, r.output
+    r = CliRunner().invoke(train_cmd, ["--recipe", "debug", "--steps", "1", "--out", str(tmp_path / "t"),
+                                       "--indexer-qk-precision", "fp8", "--indexer-qk-rerank", "-0.5"])
+    assert r.exit_code == 2 and "train.indexer_qk_rerank: a margin >= 0, got -0.5" in r.output, r.output
