@@ -13,7 +13,8 @@ h [B,S,d] (already normed) is flattened to the stream x [T,d]; the layout gives 
     comp = compressor(x)                             [N,c]       CSA / HCA only (§6), per document, static slots
     sel  = indexer(x, cQ) top-k                      [T,k]       CSA only (§7); HCA attends all visible entries
     o  = sparse_attn(q, kv, comp, sel, attn_sink)    [T,H,c]     one softmax over window + compressed + sink (§5.3)
-    o[..., c-r:] = RoPE(o[..., c-r:], -t)                        inverse rotation by the query position (§5.4)
+    o[..., c-r:] = RoPE(o[..., c-r:], -t)                        inverse rotation by the query position (§5.4),
+                                                                 inside the attention op (`out_rope`)
     out = wo_b(blockdiag_g(wo_a)(o))                 [B,S,d]     grouped low-rank output (§5.5)
 Window, compressor, indexer, indexer loss and sparse attention take the document metadata, so every one of
 them is document-local by construction; the kernels (kernels/<op>) take the same arguments on every backend.
@@ -53,6 +54,8 @@ from .rope import RotaryTable, rope_table_name
 
 # DSv4Attention.attn_fwd (DSv4Model.set_attn_fwd) -> the sparse attention's kernel backend on the "triton" backend
 ATTN_FWDS = {"triton": "triton", "flashmla": "triton+flashmla", "flashmla+cudnn": "triton+flashmla+cudnn"}
+# DSv4Attention.out_rope (DSv4Model.set_out_rope): where o's inverse RoPE (spec §5.4) runs
+OUT_ROPES = ("fused", "separate")
 
 
 def attention_halo(cfg: DSv4Config, layer_idx: int) -> int:
@@ -100,6 +103,9 @@ class DSv4Attention(nn.Module):
         # "flashmla+cudnn" (the same forward + cuDNN's SM90 DSA backward, kernels/sparse_attn/cudnn_bwd.py);
         # set by DSv4Model.set_attn_fwd; no effect on the "naive" backend
         self.attn_fwd = "triton"
+        # the output's inverse RoPE (OUT_ROPES, DSv4Model.set_out_rope): "fused" (default) in the attention op
+        # (backend "triton": in its kernels, only the rotated output kept) | "separate" (a RoPE op after it)
+        self.out_rope = "fused"
         self.kind = cfg.layer_kind(layer_idx)                  # 'window' | 'csa' | 'hca'
         self.ratio = cfg.compress_ratios[layer_idx]
         d, H, c, r = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
@@ -142,10 +148,10 @@ class DSv4Attention(nn.Module):
                 positions: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
         """h [B,S,d] -> [B,S,d] on `layout` (default: B documents of S tokens, RoPE at `positions` [S]).
 
-        The projections run on all B*S tokens at once; the token mixing (compressor, indexer, its loss, sparse
-        attention) runs per row of the batch (a document never crosses a row, model/layout.py), so a plain
-        [B, S] batch costs B streams of S tokens, not one stream of B*S (scores [S, S/m] per row, not
-        [B*S, B*S/m])."""
+        The projections and the sparse attention run on all B*S tokens at once (the layout's documents keep
+        the rows apart); the compressors, the indexer and its loss run per row of the batch (a document never
+        crosses a row, model/layout.py), so the indexer's scores are [S, S/m] per row, not [B*S, B*S/m]; the
+        rows' entries are concatenated and their selections offset into them (`_merge`)."""
         backend = backend or self.backend
         B, S, d = h.shape
         if isinstance(layout, torch.Tensor):
@@ -165,23 +171,36 @@ class DSv4Attention(nn.Module):
         q = self.rope.norm_rotate(q, rq, self.eps, backend)                     # per-head unweighted RMSNorm, RoPE
         kv = self.rope(self.kv_norm(self.wkv(x)), rope_pos)                     # [T', c] halo + local keys
 
-        if B == 1:
-            o, sel, loss = self._mix(x, cq, q, kv, (seg, pos, rope_pos, q0), layout, backend, None)
-        else:                                                                   # one stream per row (no halo)
-            if q0:
-                raise ValueError("DSv4Attention: a layout with a halo (context parallel) must describe one row [1, C]")
-            rows = [self._mix(x[r * S:(r + 1) * S], cq[r * S:(r + 1) * S], q[r * S:(r + 1) * S],
-                              kv[r * S:(r + 1) * S], tuple(t[r * S:(r + 1) * S] for t in (seg, pos, rope_pos)) + (0,),
-                              layout, backend, r) for r in range(B)]
-            o = torch.cat([r[0] for r in rows])
-            sel = _cat_selections([r[1] for r in rows])
-            loss = _combine_losses([r[2] for r in rows])
+        if q0 and B > 1:
+            raise ValueError("DSv4Attention: a layout with a halo (context parallel) must describe one row [1, C]")
+        # entries and selection per batch row (a row's indexer scores are [S, S/m], not [B*S, B*S/m]); the
+        # attention then runs once over the whole stream (the layout's documents keep the rows apart)
+        ctxs = [(seg, pos, rope_pos, q0)] if B == 1 else [tuple(t[r * S:(r + 1) * S] for t in (seg, pos, rope_pos))
+                                                          + (0,) for r in range(B)]
+        cut = (lambda t, r: t) if B == 1 else (lambda t, r: t[r * S:(r + 1) * S])
+        picks = [self._select(cut(x, r), cut(cq, r), ctxs[r], layout, backend, None if B == 1 else r)
+                 for r in range(B)]
+        comp, eseg, ej, use_sel, want_loss, listed = self._merge(picks)
+        sa_backend = ATTN_FWDS[self.attn_fwd] if backend == "triton" else backend
+        fused = self.out_rope == "fused"            # the inverse RoPE of o inside the attention (OUT_ROPES)
+        o = sparse_attn(q, kv, comp, use_sel, self.attn_sink, self.window, self.ratio or 1, self.scale,
+                        seg, pos, eseg, ej, q0, return_lse=listed, backend=sa_backend,
+                        out_rope=self.rope.tables(rq, q.dtype) if fused else None)  # [T, H, c]
+        lse = None
+        if listed:
+            o, lse = o                                                          # lse [T, H]
+        sel = _cat_selections([p["selection"] for p in picks]) if self.indexer is not None else None
+        loss = None
+        if want_loss:
+            loss = _combine_losses([self._loss(p, cut(q, r), cut(kv, r), None if lse is None else cut(lse, r),
+                                               ctxs[r], backend) for r, p in enumerate(picks)])
         if aux is not None and sel is not None:
             aux.add_selection(*sel)
         if aux is not None and loss is not None:
             aux.add_indexer(*loss)
 
-        o = self.rope(o, rq, inverse=True)                                      # rotate back by query position
+        if not fused:
+            o = self.rope(o, rq, inverse=True)                                  # rotate back by query position
         o = o.reshape(T, g, H * c // g)                                         # group i = heads i*H/g..
         wo_a = self.wo_a.weight.view(g, -1, H * c // g)                         # [g, d_g, H*c/g]
         z = torch.einsum("tgi,gri->tgr", o, wo_a)                               # [T, g, d_g]
@@ -217,54 +236,75 @@ class DSv4Attention(nn.Module):
             for row in ([None] if B == 1 else range(B)):
                 self._slots(layout, comp, row, backend or self.backend)
 
-    def _mix(self, x, cq, q, kv, ctx, layout, backend, row=None):
-        """Token mixing of one stream: x [T',d] / kv [T',c] (halo + local rows), cq [T,d_c] / q [T,H,c] (local),
-        ctx = (seg, pos, rope_pos [T'], q_offset), the stream's batch row (None: the whole stream) -> (o [T,H,c],
-        selection (idx, entry_seg, entry_j) | None, indexer loss (mean, query count) | None)."""
+    def _select(self, x, cq, ctx, layout, backend, row=None) -> dict:
+        """Entries and selection of one stream: x [T',d] (halo + local rows), cq [T,d_c] (local), ctx = (seg, pos,
+        rope_pos [T'], q_offset), the stream's batch row (None: the whole stream) -> the compressed entries
+        (comp [N,c], entry_seg, entry_j; None for a window layer), the indexer's selection (idx [T,k] into comp,
+        entry_seg, entry_j) and what the indexer loss needs (its features, the mode)."""
         seg, pos, rope_pos, q0 = ctx
         cfg = self.cfg
-        comp = eseg = ej = sel = None
+        out = dict(comp=None, eseg=None, ej=None, sel=None, selection=None, feats=None, scores=None)
         if self.compressor is not None:
             slots = self._slots(layout, self.compressor, row, backend)
-            comp, eseg, ej = layout.gather_entries(*self.compressor(x, seg, pos, rope_pos, q0, backend=backend,
-                                                                    slots=slots))
+            out["comp"], out["eseg"], out["ej"] = layout.gather_entries(
+                *self.compressor(x, seg, pos, rope_pos, q0, backend=backend, slots=slots))
         mode = cfg.indexer_loss_mode
-        selection = None
-        want_loss = self.indexer is not None and self.training and mode != "off" and cfg.indexer_loss_coeff != 0
+        out["want_loss"] = (self.indexer is not None and self.training and mode != "off"
+                            and cfg.indexer_loss_coeff != 0)
         if self.indexer is not None:
             islots = self._slots(layout, self.indexer.compressor, row, backend)   # = slots (memo) if same ratio/overlap
             scores, sel, iseg, ij, feats = self.indexer(x.detach(), cq.detach(), ctx, layout, backend=backend,
-                                                        dense_grad=want_loss and mode == "dense",
+                                                        dense_grad=out["want_loss"] and mode == "dense",
                                                         return_feats=True, slots=islots)         # [T, N]
-            selection = (sel, iseg, ij)
-        use_sel = sel if (self.indexer is not None and mode != "dense") else None   # dense: all entries
-        listed = want_loss and use_sel is not None and cfg.indexer_teacher == "joint"   # teacher from the lse
-        sa_backend = ATTN_FWDS[self.attn_fwd] if backend == "triton" else backend
-        o = sparse_attn(q, kv, comp, use_sel, self.attn_sink, self.window, self.ratio or 1, self.scale,
-                        seg, pos, eseg, ej, q0, return_lse=listed, backend=sa_backend)  # [T, H, c]
-        if listed:
-            o, lse = o                                                          # lse [T, H]
-        loss = None
-        if want_loss:
-            N = comp.shape[0]
-            if use_sel is None:     # dense: all visible entries, the [T, N] scores
-                cand = causal_entry_mask(seg[q0:], pos[q0:], eseg, ej, self.ratio)    # [T, N]
-                target = indexer_teacher(q, kv, comp, cand, self.attn_sink, self.window, self.scale,
-                                         cfg.indexer_teacher, seg, pos, q0)
-            else:                   # sparse: the k listed entries, their scores re-formed ([T, k])
-                cand = use_sel >= 0                                             # [T, k]
-                if listed:          # joint: the attention's own probabilities of its listed entries
-                    target = indexer_teacher_listed(q, comp, use_sel, lse, self.ratio, self.scale, seg, pos, eseg,
-                                                    ej, q0, backend=backend)
-                else:
-                    target = indexer_teacher(q, kv, comp, candidates_from_idx(use_sel, N), self.attn_sink,
-                                             self.window, self.scale, cfg.indexer_teacher, seg, pos, q0,
-                                             idx=use_sel).gather(-1, torch.where(cand, use_sel, 0)) * cand
-                scores = self.indexer.listed_scores(feats, use_sel, backend=backend)   # [T, k]
-            kl = cfg.indexer_loss_coeff * indexer_kl_loss(scores, target, cand)
-            loss = (kl, cand.any(-1).sum().to(kl.dtype))                        # the mean and its query count
-        return o, selection, loss
+            out.update(sel=sel, selection=(sel, iseg, ij), feats=feats, scores=scores)
+        out["use_sel"] = out["sel"] if (self.indexer is not None and mode != "dense") else None   # dense: all entries
+        out["listed"] = out["want_loss"] and out["use_sel"] is not None and cfg.indexer_teacher == "joint"
+        return out
+
+    @staticmethod
+    def _merge(picks):
+        """The rows' entries and selections as one stream's (the selection offset into the concatenated entries;
+        one row: as is) -> (comp, entry_seg, entry_j, selection used by the attention, want_loss, listed)."""
+        p0 = picks[0]
+        if len(picks) == 1 or p0["comp"] is None:
+            return p0["comp"], p0["eseg"], p0["ej"], p0["use_sel"], p0["want_loss"], p0["listed"]
+        comp = torch.cat([p["comp"] for p in picks])
+        eseg, ej = torch.cat([p["eseg"] for p in picks]), torch.cat([p["ej"] for p in picks])
+        use_sel = None
+        if p0["use_sel"] is not None:
+            offs, n = [], 0
+            for p in picks:
+                offs.append(torch.where(p["use_sel"] >= 0, p["use_sel"] + n, p["use_sel"]))
+                n += p["comp"].shape[0]
+            use_sel = torch.cat(offs)
+        return comp, eseg, ej, use_sel, p0["want_loss"], p0["listed"]
+
+    def _loss(self, part, q, kv, lse, ctx, backend):
+        """The indexer loss of one stream (`_select`'s record `part`, its queries q [T,H,c], keys kv [T',c], the
+        attention's lse [T,H] of those queries when the teacher is read off it) -> (mean, query count)."""
+        seg, pos, _, q0 = ctx
+        cfg = self.cfg
+        comp, eseg, ej, use_sel = part["comp"], part["eseg"], part["ej"], part["use_sel"]
+        N = comp.shape[0]
+        if use_sel is None:         # dense: all visible entries, the [T, N] scores
+            cand = causal_entry_mask(seg[q0:], pos[q0:], eseg, ej, self.ratio)    # [T, N]
+            target = indexer_teacher(q, kv, comp, cand, self.attn_sink, self.window, self.scale,
+                                     cfg.indexer_teacher, seg, pos, q0)
+            scores = part["scores"]
+        else:                       # sparse: the k listed entries, their scores re-formed ([T, k])
+            cand = use_sel >= 0                                                 # [T, k]
+            if part["listed"]:      # joint: the attention's own probabilities of its listed entries
+                target = indexer_teacher_listed(q, comp, use_sel, lse, self.ratio, self.scale, seg, pos, eseg,
+                                                ej, q0, backend=backend)
+            else:
+                target = indexer_teacher(q, kv, comp, candidates_from_idx(use_sel, N), self.attn_sink,
+                                         self.window, self.scale, cfg.indexer_teacher, seg, pos, q0,
+                                         idx=use_sel).gather(-1, torch.where(cand, use_sel, 0)) * cand
+            scores = self.indexer.listed_scores(part["feats"], use_sel, backend=backend)   # [T, k]
+        kl = cfg.indexer_loss_coeff * indexer_kl_loss(scores, target, cand)
+        return kl, cand.any(-1).sum().to(kl.dtype)                          # the mean and its query count
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, kind={self.kind}, ratio={self.ratio}, backend={self.backend}" + (
-            f", attn_fwd={self.attn_fwd}" if self.attn_fwd != "triton" else "")
+            f", attn_fwd={self.attn_fwd}" if self.attn_fwd != "triton" else "") + (
+            f", out_rope={self.out_rope}" if self.out_rope != "fused" else "")

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.model.attention import ATTN_FWDS, DSv4Attention
+from dsv4.model.attention import ATTN_FWDS, OUT_ROPES, DSv4Attention
 from dsv4.model.block import Block
 from dsv4.model.config import ConfigError, DSv4Config
 from dsv4.model.indexer import INDEXER_FWDS, Indexer
@@ -184,6 +184,19 @@ class DSv4Model(nn.Module):
         for m in self.modules():
             if isinstance(m, DSv4Attention):
                 m.attn_fwd = mode
+        return self
+
+    def set_out_rope(self, mode: str) -> "DSv4Model":
+        """Where every attention layer's inverse RoPE of its output runs (spec §5.4; `OUT_ROPES`): "fused"
+        (default: inside the sparse attention op; on the "triton" backend in its kernels, keeping only the rotated
+        output for the backward -- Megatron-LM dev #7036) | "separate" (kernels/rope after the attention; the
+        attention keeps its unrotated output and the output projection the rotated copy). Same math; on "naive"
+        bit for bit the same, on "triton" the forward rounds o to bf16 once instead of twice."""
+        if mode not in OUT_ROPES:
+            raise ValueError(f"set_out_rope: unknown mode {mode!r}; known: {', '.join(OUT_ROPES)}")
+        for m in self.modules():
+            if isinstance(m, DSv4Attention):
+                m.out_rope = mode
         return self
 
     def set_indexer_fwd(self, mode: str) -> "DSv4Model":

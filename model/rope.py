@@ -103,16 +103,22 @@ def _check_widths(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_di
         raise RopeError(f"rope: rope_dim {rope_dim} must be even and <= head dim {x.shape[-1]}")
 
 
+def _tables(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, x_dtype: torch.dtype):
+    """cos, sin [*positions.shape, r/2] of a table at `positions`, times `scale`, in fp32 (fp64 for fp64 x)."""
+    dt = torch.promote_types(x_dtype, torch.float32)                        # fp32 (fp64 for fp64 x)
+    cos, sin = rope_cos_sin(inv_freq, positions, dt)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale                                 # HF: freqs.cos() * attention_scaling
+    return cos, sin
+
+
 def _rows(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int, scale: float):
     """(x as [P, G, c], cos [P, r/2], sin [P, r/2]): the kernels' row layout of x at `positions` (a prefix of x's
     shape; the remaining dims broadcast), the angles in fp32 (fp64 for fp64 x), times `scale`."""
     if tuple(positions.shape) != tuple(x.shape[: positions.dim()]) or positions.dim() >= x.dim():
         raise RopeError(f"rope: positions shape {tuple(positions.shape)} is not a prefix of x's leading dims "
                         f"{tuple(x.shape[:-1])}")
-    dt = torch.promote_types(x.dtype, torch.float32)                        # fp32 (fp64 for fp64 x)
-    cos, sin = rope_cos_sin(inv_freq, positions, dt)                        # [*pos, r/2]
-    if scale != 1.0:
-        cos, sin = cos * scale, sin * scale                                 # HF: freqs.cos() * attention_scaling
+    cos, sin = _tables(positions, inv_freq, scale, x.dtype)                 # [*pos, r/2]
     _check_widths(x, cos, sin, rope_dim)
     P, G = positions.numel(), math.prod(x.shape[positions.dim():-1])
     return x.reshape(P, G, x.shape[-1]), cos.reshape(P, cos.shape[-1]), sin.reshape(P, sin.shape[-1])
@@ -161,6 +167,11 @@ class RotaryTable(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         return apply_rope(x, positions, self.inv_freq, self.rope_dim, inverse, self.scale, self.backend)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [P, r/2] at positions [P] for x of `dtype`: what `forward` rotates by (the sparse attention's
+        fused output rotation takes them, kernels/sparse_attn `out_rope`)."""
+        return _tables(positions, self.inv_freq, self.scale, dtype)
 
     def norm_rotate(self, x: torch.Tensor, positions: torch.Tensor, eps: float,
                     backend: str | None = None) -> torch.Tensor:

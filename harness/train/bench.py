@@ -36,6 +36,7 @@ machinery, the numbers mean nothing.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import math
 import sys
@@ -204,12 +205,21 @@ def _compile_counters() -> dict:
 
 
 # ------------------------------------------------------------------------------------------- results
+# DSv4Model switches a bench row can set (the ours rows run once per combination of the listed modes): row field
+# -> (DSv4Model setter, default mode); a row carries the field only when not at the default
+SWITCHES = {"head_ce": ("set_head_ce", "recompute"), "out_rope": ("set_out_rope", "fused")}
+
+
+def _switches(r) -> tuple:
+    return tuple(r.get(f, d) for f, (_, d) in SWITCHES.items())
+
+
 def _key(r) -> tuple:
-    return (r["impl"], r["tokens"], r["batch"], r.get("head_ce", "recompute"))
+    return (r["impl"], r["tokens"], r["batch"], _switches(r))
 
 
 def merge_results(old: list[dict], new: list[dict]) -> list[dict]:
-    """old rows in order, each replaced by the new row of its (impl, tokens, batch, head_ce); then the other new
+    """old rows in order, each replaced by the new row of its (impl, tokens, batch, switches); then the other new
     rows."""
     fresh = {_key(r): r for r in new}
     out = [fresh.pop(_key(r), r) for r in old]
@@ -218,11 +228,12 @@ def merge_results(old: list[dict], new: list[dict]) -> list[dict]:
 
 def ratios(results: list[dict]) -> dict:
     """tokens/s ratios at the same tokens and batch: ours_* over each HF peer, and the PAIRS, between rows of the
-    default head_ce; and each row of another `--head-ce` over the same impl's default row. Keys
-    `<a>_over_<b>@<tokens>` / `<a>[head_ce=<mode>]_over_<a>@<tokens>` (`/b<batch>` appended where the rows hold
-    several batches at those tokens)."""
+    default SWITCHES; and each row of other switch modes (`--head-ce`, `--out-rope`) over the same impl's default
+    row. Keys `<a>_over_<b>@<tokens>` / `<a>[head_ce=<mode>]..._over_<a>@<tokens>` (`/b<batch>` appended where the
+    rows hold several batches at those tokens)."""
     every = {_key(r): r["tokens_per_s"] for r in results if r.get("tokens_per_s")}
-    ok = {k[:3]: v for k, v in every.items() if k[3] == "recompute"}
+    default = tuple(d for _, d in SWITCHES.values())
+    ok = {k[:3]: v for k, v in every.items() if k[3] == default}
     batches: dict[int, set] = {}
     for _, T, B, _ in every:
         batches.setdefault(T, set()).add(B)
@@ -234,9 +245,10 @@ def ratios(results: list[dict]) -> dict:
             for a, b in pairs:
                 if (a, T, B) in ok and (b, T, B) in ok:
                     out[f"{a}_over_{b}{tag}"] = ok[(a, T, B)] / ok[(b, T, B)]
-            for (a, T2, B2, h), v in every.items():
-                if (T2, B2) == (T, B) and h != "recompute" and (a, T, B) in ok:
-                    out[f"{a}[head_ce={h}]_over_{a}{tag}"] = v / ok[(a, T, B)]
+            for (a, T2, B2, sw), v in every.items():
+                if (T2, B2) == (T, B) and sw != default and (a, T, B) in ok:
+                    name = "".join(f"[{f}={m}]" for f, m, d in zip(SWITCHES, sw, default) if m != d)
+                    out[f"{a}{name}_over_{a}{tag}"] = v / ok[(a, T, B)]
     return out
 
 
@@ -288,7 +300,7 @@ PROFILE_PENDING = "the profile step did not finish (the row was written before i
 
 
 def _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, profile, doc_min,
-         on_timed=None, head_ce: str = "recompute") -> dict:
+         on_timed=None, switches: dict | None = None) -> dict:
     """One measured row. With `profile`, `on_timed(row)` first gets the timed row (its profile marked pending), so
     that a caller's time limit hitting the extra profiled step does not lose the timing (the 64K rows at 7298853
     on the H200 were cut there twice)."""
@@ -307,7 +319,8 @@ def _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, pr
         model = build_ours(cfg, backend, device, mode or False)
         rec["recompute"] = T >= recompute_from                 # whole-block activation recompute
         model.set_recompute(rec["recompute"])
-        model.set_head_ce(head_ce)                             # DSv4Model.set_head_ce (`run` keys the row by it)
+        for f, (setter, d) in SWITCHES.items():               # DSv4Model.set_head_ce, ... (`run` keys the row)
+            getattr(model, setter)((switches or {}).get(f, d))
     else:
         model = build_hf(cfg, device, mode is not None)
     if packed:
@@ -343,7 +356,7 @@ def _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, pr
 
 
 def _progress(rec) -> str:
-    head = f"{rec['impl']:10} {rec['tokens']:>6} tokens" + (f" head_ce={rec['head_ce']}" if "head_ce" in rec else "") \
+    head = f"{rec['impl']:10} {rec['tokens']:>6} tokens" + "".join(f" {f}={rec[f]}" for f in SWITCHES if f in rec) \
         + ": "
     if "error" in rec:
         return head + ("OOM" if rec["error"] == "oom" else rec["error"])
@@ -363,10 +376,11 @@ def _progress(rec) -> str:
 def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: int, impls: list[str],
         backend: str | None = None, recompute_from: int = 32768, compile_: bool = False, *, smoke: bool = False,
         profile: bool = False, out=None, append: bool = False, doc_min: int = 128,
-        head_ces: tuple[str, ...] = ("recompute",)) -> dict:
-    """Measure every (impl, tokens) row, ours' rows once per head_ces mode (DSv4Model.set_head_ce; the modes of
-    one impl and tokens back to back); after each, `out` (if given) is rewritten atomically with every row so
-    far (merged into its earlier rows under `append`). Returns the document written."""
+        switch_modes: dict[str, tuple[str, ...]] | None = None) -> dict:
+    """Measure every (impl, tokens) row, ours' rows once per combination of the switch_modes (a SWITCHES field ->
+    its modes, e.g. {"head_ce": ("recompute", "grad_in_forward")}: DSv4Model.set_head_ce; the combinations of one
+    impl and tokens back to back); after each, `out` (if given) is rewritten atomically with every row so far
+    (merged into its earlier rows under `append`). Returns the document written."""
     import os
 
     from dsv4.harness.errors import BadInput, need_cuda
@@ -402,17 +416,19 @@ def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: i
                                for r in rows),
                 "results": rows, "ratios": ratios(rows), "provenance": prov}
 
-    plan = [(impl, T, h) for impl in names for T in toks
-            for h in (head_ces if IMPLS[impl][0] == "ours" else ("recompute",))]
-    for impl, T, h in plan:
-        tag = {"head_ce": h} if h != "recompute" else {}   # a row key only when not the default
+    modes = [(switch_modes or {}).get(f, (d,)) for f, (_, d) in SWITCHES.items()]
+    combos = [dict(zip(SWITCHES, c)) for c in itertools.product(*modes)]
+    plan = [(impl, T, sw) for impl in names for T in toks
+            for sw in (combos if IMPLS[impl][0] == "ours" else [{}])]
+    for impl, T, sw in plan:
+        tag = {f: m for f, m in sw.items() if m != SWITCHES[f][1]}   # a row key only when not the default
 
         def timed(rec):                # the timed row on disk before its profile step (`_row`)
             if out:
                 atomic_write_json(out, doc(dict(rec, **tag, **where)))
         try:
             rec = _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, profile, doc_min,
-                       on_timed=timed, head_ce=h)
+                       on_timed=timed, switches=sw)
         except torch.OutOfMemoryError:
             rec = {"impl": impl, "tokens": T, "batch": batch, "seq": T // batch, "error": "oom"}
         except Exception as e:  # noqa: BLE001 - a peer failing is a result, recorded with its reason
@@ -450,22 +466,31 @@ def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: i
               help="Ours: comma list of head cross-entropy gradient modes (recompute | grad_in_forward), one row "
                    "each (DSv4Model.set_head_ce); rows of a non-default mode carry head_ce and a ratio over the "
                    "default row.")
+@click.option("--out-rope", "out_rope", default="fused",
+              help="Ours: comma list of where the attention output's inverse RoPE runs (fused | separate), one row "
+                   "each (DSv4Model.set_out_rope; crossed with --head-ce); rows of a non-default mode carry out_rope "
+                   "and a ratio over the default row.")
 @click.option("--out", "out", default=None, type=click.Path(dir_okay=False),
               help="JSON written atomically after every row.")
 @click.option("--append", is_flag=True, help="Keep the rows already in --out (same impl/tokens/batch replaced).")
 @click.option("--smoke", is_flag=True, help="The debug config; on CPU (naive kernels) when no GPU is visible.")
 @click.option("--json", "as_json", is_flag=True)
 def bench_train_cmd(config, tokens, batch, steps, warmup, impls, backend, recompute_from, compile_, profile,
-                    doc_min, head_ce, out, append, smoke, as_json):
+                    doc_min, head_ce, out_rope, out, append, smoke, as_json):
     """Training tokens/s, peak memory and MFU of ours (eager, compiled, CUDA graphs, packed) vs Hugging Face
     DeepseekV4 (eager, compiled)."""
     from dsv4.harness.errors import BadInput
+    from dsv4.model.attention import OUT_ROPES
     from dsv4.model.model import HEAD_CE
     toks, names = parse_args(tokens, batch, impls, steps, warmup, False)
-    modes = tuple(m.strip() for m in head_ce.split(",") if m.strip())
-    bad = [m for m in modes if m not in HEAD_CE]
-    if bad or not modes or len(set(modes)) != len(modes):
-        raise BadInput(f"--head-ce: a comma list of distinct modes from {', '.join(HEAD_CE)}; got {head_ce!r}")
+    switch_modes = {}
+    for flag, field, known, given in (("--head-ce", "head_ce", HEAD_CE, head_ce),
+                                      ("--out-rope", "out_rope", OUT_ROPES, out_rope)):
+        modes = tuple(m.strip() for m in given.split(",") if m.strip())
+        bad = [m for m in modes if m not in known]
+        if bad or not modes or len(set(modes)) != len(modes):
+            raise BadInput(f"{flag}: a comma list of distinct modes from {', '.join(known)}; got {given!r}")
+        switch_modes[field] = modes
     doc = run(config, toks, batch, steps, warmup, names, backend, recompute_from, compile_, smoke=smoke,
-              profile=profile, out=out, append=append, doc_min=doc_min, head_ces=modes)
+              profile=profile, out=out, append=append, doc_min=doc_min, switch_modes=switch_modes)
     click.echo(json.dumps(doc, indent=1))    # the result, with or without --json (progress went to stderr)

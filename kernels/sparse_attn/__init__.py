@@ -12,14 +12,31 @@ with `DSv4Model.set_attn_fwd("flashmla")` (default "triton"); `dsv4 bench kernel
 from __future__ import annotations
 
 from dsv4.kernels import get_op
+from dsv4.kernels.rope import rope_rows
 
 
 def sparse_attn(q, kv, comp, comp_idx, sink, window: int, ratio: int, scale: float, seg, pos, entry_seg=None,
-                entry_j=None, q_offset: int = 0, return_lse: bool = False, backend: str = "naive"):
+                entry_j=None, q_offset: int = 0, return_lse: bool = False, out_rope=None, backend: str = "naive"):
     """q [Tq,H,c], kv [Tk,c], comp [N,c] | None, comp_idx [Tq,k] | None, sink [H], seg/pos [Tk], entry_seg /
-    entry_j [N] -> o [Tq,H,c] (with return_lse: (o, lse [Tq,H])). See `naive.sparse_attn`; backends above."""
-    return get_op("sparse_attn", backend, q.device)(q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos,
-                                                     entry_seg, entry_j, q_offset, return_lse)
+    entry_j [N] -> o [Tq,H,c] (with return_lse: (o, lse [Tq,H])). See `naive.sparse_attn`; backends above.
+
+    out_rope (cos, sin) [Tq, r/2] (model/rope.py `RotaryTable.tables` at the query positions): o's last r dims
+    rotated back by them (spec §5.4's inverse RoPE of the output). Backend "triton" rotates in its forward kernel's
+    epilogue (no separate pass, o rounded to the output dtype once) and keeps only the rotated output for its
+    backward (Megatron-LM dev #7036's output inverse-RoPE reconstruction: no second [Tq,H,c] tensor), whose first
+    pass takes delta = rowsum(O ∘ dO) from the rotated pair (the rotation's adjoint gives the same) and rotates
+    dO's last r dims forward into the dO the kernel reads (which then does not read O). The other backends run
+    kernels/rope's `rope_rows` on the output (its own "naive" / "triton" backend), the same math."""
+    fn = get_op("sparse_attn", backend, q.device)
+    if out_rope is not None and backend == "triton":
+        return fn(q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_offset,
+                  return_lse, out_rope=out_rope)
+    out = fn(q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_offset, return_lse)
+    if out_rope is None:
+        return out
+    o, lse = out if return_lse else (out, None)
+    o = rope_rows(o, out_rope[0], out_rope[1], True, backend="naive" if backend == "naive" else "triton")
+    return (o, lse) if return_lse else o
 
 
 def entry_probs(q, comp, comp_idx, lse, ratio: int, scale: float, seg, pos, entry_seg, entry_j, q_offset: int = 0,

@@ -33,11 +33,13 @@ Tensor = torch.Tensor
 
 def _sparse_attn_fwd(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optional[Tensor], sink: Tensor,
                      seg: Tensor, pos: Tensor, entry_seg: Optional[Tensor], entry_j: Optional[Tensor],
-                     window: int, ratio: int, scale: float, q_off: int) -> tuple[Tensor, Tensor]:
-    """-> (o [Tq,H,c] q.dtype, lse [Tq,H] fp32, log2 units)."""
+                     window: int, ratio: int, scale: float, q_off: int, rope_cos: Optional[Tensor] = None,
+                     rope_sin: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """-> (o [Tq,H,c] q.dtype, lse [Tq,H] fp32, log2 units); with rope_cos / rope_sin [Tq, r/2] o's last r dims
+    rotated back by them (the output's inverse RoPE, fused)."""
     ctx = FnCtx()
     o = T._SparseAttn.forward(ctx, q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg,
-                              entry_j, q_off)
+                              entry_j, q_off, rope_cos, rope_sin)
     return o, ctx.saved_tensors[6]
 
 
@@ -45,17 +47,21 @@ sparse_attn_fwd = torch.library.custom_op("dsv4::sparse_attn_fwd", mutates_args=
 
 
 @sparse_attn_fwd.register_fake
-def _(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, window, ratio, scale, q_off):
+def _(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, window, ratio, scale, q_off, rope_cos=None,
+      rope_sin=None):
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
-def _ctx(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, window, ratio, scale, q_off) -> FnCtx:
+def _ctx(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, window, ratio, scale, q_off,
+         rope_cos=None, rope_sin=None) -> FnCtx:
     """The ctx `_SparseAttn.forward` leaves (same saved tensors, same cfg)."""
     mode, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, elo, ehi = T.prepare(
         q.contiguous(), kv.contiguous(), comp, comp_idx, ratio, seg, pos, entry_seg, entry_j, q_off)
+    cs, sn, rd = T._out_rope(q, rope_cos, rope_sin)
     ctx = FnCtx()
-    ctx.save_for_backward(q.contiguous(), kv.contiguous(), comp_t, idx_t, sink, o, lse, seg, pos, eseg, ej, elo, ehi)
-    ctx.cfg = (mode, nsel, int(window), ratio, float(scale), int(q_off))
+    ctx.save_for_backward(q.contiguous(), kv.contiguous(), comp_t, idx_t, sink, o, lse, seg, pos, eseg, ej, elo, ehi,
+                          cs, sn)
+    ctx.cfg = (mode, nsel, int(window), ratio, float(scale), int(q_off), rd)
     ctx.comp_none = comp is None
     return ctx
 
@@ -63,9 +69,11 @@ def _ctx(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, wind
 def _sparse_attn_bwd(do: Tensor, q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optional[Tensor],
                      sink: Tensor, seg: Tensor, pos: Tensor, entry_seg: Optional[Tensor], entry_j: Optional[Tensor],
                      o: Tensor, lse: Tensor, window: int, ratio: int, scale: float,
-                     q_off: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """-> (dq, dkv, dcomp (empty when comp is None), dsink)."""
-    ctx = _ctx(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, window, ratio, scale, q_off)
+                     q_off: int, rope_cos: Optional[Tensor] = None,
+                     rope_sin: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (dq, dkv, dcomp (empty when comp is None), dsink); with the tables, o / do are the rotated output's."""
+    ctx = _ctx(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, window, ratio, scale, q_off,
+               rope_cos, rope_sin)
     dq, dkv, dcomp, _, dsink, *_ = T._SparseAttn.backward(ctx, do)
     if dcomp is None:
         dcomp = q.new_empty(0)
@@ -76,23 +84,26 @@ sparse_attn_bwd = torch.library.custom_op("dsv4::sparse_attn_bwd", mutates_args=
 
 
 @sparse_attn_bwd.register_fake
-def _(do, q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, window, ratio, scale, q_off):
+def _(do, q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, window, ratio, scale, q_off,
+      rope_cos=None, rope_sin=None):
     dcomp = comp.new_empty(comp.shape) if comp is not None else q.new_empty(0)
     return q.new_empty(q.shape), kv.new_empty(kv.shape), dcomp, sink.new_empty(sink.shape)
 
 
 def _setup(ctx, inputs, output):
-    q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, window, ratio, scale, q_off = inputs
-    ctx.save_for_backward(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, *output)
+    q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, window, ratio, scale, q_off = inputs[:13]
+    cos, sin = (tuple(inputs[13:15]) + (None, None))[:2]              # the fused output rotation's tables
+    ctx.save_for_backward(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, *output, cos, sin)
     ctx.args = (int(window), int(ratio), float(scale), int(q_off))
-    ctx.comp_none = comp is None
+    ctx.comp_none, ctx.n_inputs = comp is None, len(inputs)
 
 
 def _backward(ctx, do, _dlse):
-    q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse = ctx.saved_tensors
+    q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, cos, sin = ctx.saved_tensors
     bwd = backward_op(ctx, sparse_attn_bwd, _sparse_attn_bwd)
-    dq, dkv, dcomp, dsink = bwd(do, q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, *ctx.args)
-    return (dq, dkv, None if ctx.comp_none else dcomp, None, dsink) + (None,) * 8
+    dq, dkv, dcomp, dsink = bwd(do, q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, *ctx.args,
+                                cos, sin)
+    return (dq, dkv, None if ctx.comp_none else dcomp, None, dsink) + (None,) * (ctx.n_inputs - 5)
 
 
 _sparse_attn = autograd_op(sparse_attn_fwd, _sparse_attn_fwd, _setup, _backward)
@@ -100,14 +111,16 @@ _sparse_attn = autograd_op(sparse_attn_fwd, _sparse_attn_fwd, _setup, _backward)
 
 def sparse_attn(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optional[Tensor], sink: Tensor,
                 window: int, ratio: int, scale: float, seg: Tensor, pos: Tensor, entry_seg: Optional[Tensor] = None,
-                entry_j: Optional[Tensor] = None, q_offset: int = 0, return_lse: bool = False):
+                entry_j: Optional[Tensor] = None, q_offset: int = 0, return_lse: bool = False, out_rope=None):
     """Triton sparse attention as a custom op; same contract as `naive.sparse_attn` / `triton.sparse_attn`
-    (return_lse: also the log-sum-exp [Tq,H] in natural log, no gradient)."""
+    (return_lse: also the log-sum-exp [Tq,H] in natural log, no gradient). out_rope (cos, sin) [Tq, r/2]: the
+    output's last r dims rotated back by them inside the kernel (kernels/sparse_attn/__init__.py)."""
     naive.check_args(q, kv, comp, comp_idx, sink, window, ratio, seg, pos, entry_seg, entry_j, q_offset)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    rot = () if out_rope is None else (out_rope[0].detach(), out_rope[1].detach())
     o, lse2 = _sparse_attn(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, int(window),
-                                             int(ratio or 0), float(scale), int(q_offset))
+                           int(ratio or 0), float(scale), int(q_offset), *rot)
     return (o, lse2.detach() * math.log(2.0)) if return_lse else o
 
 

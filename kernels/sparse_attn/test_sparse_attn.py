@@ -81,6 +81,74 @@ def test_triton_matches_naive(shape, mode, ratio, k, layout):
             assert_rel(n, a, b, 5e-2 if (n == "dcomp" and mode == "csa") else 2e-2)
 
 
+def _tables(Tq, r, scale, gen, dtype=torch.float32):
+    """cos / sin [Tq, r/2] of random angles times `scale` (HF's YaRN attention factor when != 1: the rotation is
+    then not orthogonal, so the backward's delta from the rotated O and dO is right only as the adjoint)."""
+    ang = torch.rand(Tq, r // 2, generator=gen, device=DEV, dtype=dtype) * 6.3
+    return ang.cos() * scale, ang.sin() * scale
+
+
+@pytest.mark.parametrize("layout", ["packed", "halo"])
+@pytest.mark.parametrize("mode,ratio,k", [("window", 4, 0), ("csa", 3, 4), ("hca", 4, 0)])
+@pytest.mark.parametrize("shape", ["tiny", "tiny_h16"] + (["real", "real_h16"] if CUDA else []))
+def test_fused_output_rope_matches_attention_then_rope(shape, mode, ratio, k, layout):
+    """out_rope (cos, sin): the Triton kernels rotate o's last r dims back inside the forward and keep only that
+    rotated output, whose backward's first pass takes delta from the rotated O and dO and rotates dO back for the
+    kernel (`_out_rope_bwd_prep`). Oracle: naive
+    attention, then kernels/rope's naive inverse rotation, autograd through both; c 24 / r 8 (BD 32 > c: padded
+    pairs), a table scale of 0.7. Also what autograd keeps: one [Tq, H, c] tensor for o, not two."""
+    from dsv4.kernels.rope import rope_rows
+    sh = SHAPES[shape]
+    lens, pads, q_off = LAYOUTS[layout]
+    r = 8 if shape.startswith("tiny") else 64
+    if shape.startswith("real"):
+        ratio, k = {"window": (4, 0), "csa": (4, 512), "hca": (128, 0)}[mode]
+        lens = [L * 97 for L in lens]
+    (q, kv, comp, idx, sink), meta = _case(mode, lens, pads, q_off, **sh, ratio=ratio, k=k)
+    cos, sin = _tables(q.shape[0], r, 0.7, torch.Generator(device=DEV).manual_seed(9))
+    scale = sh["c"] ** -0.5
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o = sparse_attn(q, kv, comp, idx, sink, sh["window"], ratio, scale, **meta, out_rope=(cos, sin),
+                        backend="triton")
+    big = {t.untyped_storage().data_ptr() for t in saved if t.shape == q.shape and t is not q}
+    assert len(big) == 1 and o.untyped_storage().data_ptr() in big          # the rotated output, once
+    ref = rope_rows(sparse_attn(q, kv, comp, idx, sink, sh["window"], ratio, scale, **meta, backend="naive"),
+                    cos, sin, True, backend="naive")
+    do = torch.randn_like(o)
+    ins = [x for x in (q, kv, comp, sink) if x is not None]
+    names = [n for n, x in zip(("dq", "dkv", "dcomp", "dsink"), (q, kv, comp, sink)) if x is not None]
+    got = torch.autograd.grad(o, ins, do)
+    want = torch.autograd.grad(ref, ins, do)
+    if shape.startswith("tiny"):                   # fp32: summation order only (bounds of test_triton_matches_naive)
+        assert_close("o", o, ref, 2e-5, 1e-5)
+        for n, a, b in zip(names, got, want):
+            assert_close(n, a, b, 5e-5, 1e-4)
+    else:                                          # bf16: test_triton_matches_naive's bounds
+        assert_rel("o", o, ref, 1e-2)
+        for n, a, b in zip(names, got, want):
+            assert_rel(n, a, b, 5e-2 if (n == "dcomp" and mode == "csa") else 2e-2)
+
+
+def test_fused_output_rope_backward_needs_the_unrotated_do():
+    """The backward's un-rotation of dO is load-bearing: the same fused forward whose backward is given tables
+    of angle 0 (no un-rotation) gives a dq off the oracle's by far more than the bound above."""
+    from dsv4.kernels.sparse_attn import op as O
+    (q, kv, comp, idx, sink), meta = _case("csa", [5, 11, 2, 9], [2, 0, 3, 1], 0, **TINY, ratio=3, k=4)
+    cos, sin = _tables(q.shape[0], 8, 1.0, torch.Generator(device=DEV).manual_seed(9))
+    m = (meta["seg"], meta["pos"], meta["entry_seg"], meta["entry_j"])
+    args = (q.detach(), kv.detach(), comp.detach(), idx, sink.detach(), *m, TINY["window"], 3, 24 ** -0.5, 0)
+    o, lse = O._sparse_attn_fwd(*args, cos, sin)
+    do = torch.randn_like(o)
+    bwd = lambda c, s: O._sparse_attn_bwd(do, *args[:9], o, lse, TINY["window"], 3, 24 ** -0.5, 0, c, s)
+    right, wrong = bwd(cos, sin)[0], bwd(torch.ones_like(cos), torch.zeros_like(sin))[0]
+    assert (right - wrong).abs().max() > 100 * 5e-5
+
+
 def test_no_key_but_sink_is_defined():
     """Query 0 of an HCA layer sees one window key and no entry; the sink alone must not give NaN; padding
     queries see only the sink (output 0)."""

@@ -153,13 +153,55 @@ def _entry_valid_rows(ESEG, EJ, idx, live, seg_u, pos_u, ratio):
         (ej[None, :] < ((pos_u + 1) // ratio)[:, None])
 
 
-@triton.autotune(**_FWD_CONFIGS, key=["H", "BD", "MODE", "HB"])
 @triton.jit
-def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EHI,
-                     sq_s, sq_h, skv_s, sc_s, si_s, so_s, so_h, sl_s,
+def _rotate_rows(x, COS, SIN, tq, t0, rmask, s_cs, sign, C: tl.constexpr, RD: tl.constexpr, BH: tl.constexpr,
+                 BD: tl.constexpr, ONE: tl.constexpr):
+    """x [BH, BD] fp32 with each row's query tq [BH]: its last RD channels (of C) rotated in pairs (2i, 2i+1) by
+    the query's table row, (a, b) -> (a cos - sign b sin, sign a sin + b cos) (sign -1: the inverse rotation);
+    cos / sin [TQ, RD/2] fp32 (row stride s_cs). kernels/rope/naive.py's rotation, on registers. ONE (the program
+    is one query, t0): the table row is loaded once and broadcast ([1, BD/2], not [BH, BD/2] registers)."""
+    a, b = tl.split(tl.reshape(x, [BH, BD // 2, 2]))                          # [BH, BD/2] even / odd channels
+    i = tl.arange(0, BD // 2) - (C - RD) // 2                                 # pair index in the rope part
+    live = (i >= 0) & (i < RD // 2)
+    if ONE:
+        cs = tl.load(COS + t0 * s_cs + i, mask=live, other=1.0)[None, :]
+        sn = tl.load(SIN + t0 * s_cs + i, mask=live, other=0.0)[None, :] * sign
+    else:
+        m = rmask[:, None] & live[None, :]
+        cs = tl.load(COS + tq[:, None] * s_cs + i[None, :], mask=m, other=1.0)
+        sn = tl.load(SIN + tq[:, None] * s_cs + i[None, :], mask=m, other=0.0) * sign
+    return tl.reshape(tl.join(a * cs - b * sn, a * sn + b * cs), [BH, BD])
+
+
+_PREP_ROWS = 16      # (query, head) rows a program of `_out_rope_bwd_prep`
+
+
+@triton.jit
+def _out_rope_bwd_prep(O, DO, DOU, DELTA, COS, SIN, so_s, so_h, sl_s, s_cs, TQ, H,
+                       C: tl.constexpr, RD: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    """The backward's first pass when the output was rotated in the forward (`out_rope`): for BR (query, head)
+    rows of the rotated O and dO, delta = rowsum(O ∘ dO) (what the un-rotated pair gives: the rotation's adjoint)
+    and dO with its last RD channels rotated forward again (the gradient of the un-rotated output) into DOU."""
+    r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    rm = r < TQ * H
+    t = r // H
+    offs_d = tl.arange(0, BD)
+    m = rm[:, None] & (offs_d < C)[None, :]
+    off = t[:, None] * so_s + (r % H)[:, None] * so_h + offs_d[None, :]
+    o = tl.load(O + off, mask=m, other=0.0).to(tl.float32)
+    do = tl.load(DO + off, mask=m, other=0.0).to(tl.float32)
+    tl.store(DELTA + t * sl_s + r % H, tl.sum(o * do, 1), mask=rm)
+    do = _rotate_rows(do, COS, SIN, t, 0, rm, s_cs, 1.0, C, RD, BR, BD, False)
+    tl.store(DOU + off, do.to(DOU.dtype.element_ty), mask=m)
+
+
+@triton.autotune(**_FWD_CONFIGS, key=["H", "BD", "MODE", "HB", "ROT"])
+@triton.jit
+def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EHI, COS, SIN,
+                     sq_s, sq_h, skv_s, sc_s, si_s, so_s, so_h, sl_s, s_cs,
                      TQ, H, NSEL, window, ratio, qk_scale, q_off,
                      C: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr,
-                     BH: tl.constexpr, BN: tl.constexpr):
+                     ROT: tl.constexpr, RD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
     t0 = tl.program_id(0).to(tl.int64) * (BH // HB)            # BH // HB = QB queries per program (constexpr)
     rows = tl.arange(0, BH)
     qi = rows // HB                                             # [BH] each row's query (t0 + qi) and head
@@ -217,6 +259,8 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EH
                         other=0.0)
             m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
     o = acc / l_i[:, None]
+    if ROT:                                                     # the output rotated back by the query position
+        o = _rotate_rows(o, COS, SIN, tq, t0, rmask, s_cs, -1.0, C, RD, BH, BD, BH == HB)
     tl.store(O + tq[:, None] * so_s + offs_h[:, None] * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
     tl.store(LSE + tq * sl_s + offs_h, m_i + tl.log2(l_i), mask=rmask)
@@ -252,13 +296,13 @@ def _dk_add(DK, rows, s_row, offs_d, valid, dmask, dk, DKT: tl.constexpr):
                       mask=valid[:, None] & dmask[None, :], sem="relaxed")
 
 
-@triton.autotune(**_BWD_CONFIGS, key=["H", "BD", "MODE", "HB"], reset_to_zero=["DKV", "DCOMP"])
+@triton.autotune(**_BWD_CONFIGS, key=["H", "BD", "MODE", "HB", "DELTA_IN"], reset_to_zero=["DKV", "DCOMP"])
 @triton.jit
 def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, POS, ESEG, EJ, ELO, EHI,
                      sq_s, sq_h, skv_s, sc_s, si_s, so_s, so_h, sl_s,
                      TQ, H, NSEL, window, ratio, qk_scale, scale, q_off,
                      C: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr,
-                     BH: tl.constexpr, BN: tl.constexpr, DKT: tl.constexpr):
+                     DELTA_IN: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, DKT: tl.constexpr):
     # Q/DQ/O/DO share strides (sq_*, so_*: q and dq; o and do), KV/DKV share skv_*, COMP/DCOMP share sc_*.
     # Rows as in the forward: row r = query t0 + r // HB, head r % HB of the program's head block.
     t0 = tl.program_id(0).to(tl.int64) * (BH // HB)
@@ -280,10 +324,13 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, P
     q = tl.load(Q + q_off2, mask=hd, other=0.0)
     o_off = tq[:, None] * so_s + offs_h[:, None] * so_h + offs_d[None, :]
     do = tl.load(DO + o_off, mask=hd, other=0.0)
-    o = tl.load(O + o_off, mask=hd, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)     # [BH] rowsum(dO ∘ O)
+    if DELTA_IN:                                                # given (`_out_rope_bwd_prep`): O is not read
+        delta = tl.load(DELTA + tq * sl_s + offs_h, mask=rmask, other=0.0)
+    else:
+        o = tl.load(O + o_off, mask=hd, other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BH] rowsum(dO ∘ O)
+        tl.store(DELTA + tq * sl_s + offs_h, delta, mask=rmask)
     lse = tl.load(LSE + tq * sl_s + offs_h, mask=rmask, other=0.0)
-    tl.store(DELTA + tq * sl_s + offs_h, delta, mask=rmask)
     dq = tl.zeros([BH, BD], tl.float32)
     u_hi = tl.minimum(t0 + BH // HB, TQ) - 1 + q_off
     lo = tl.maximum(t0 + q_off - window + 1, 0)
@@ -413,30 +460,46 @@ def prepare(q, kv, comp, comp_idx, ratio, seg, pos, entry_seg, entry_j, q_off):
     return mode, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, elo, ehi
 
 
+def _out_rope(q, rope_cos, rope_sin):
+    """(cos, sin, r) of the output's fused inverse rotation: the tables [Tq, r/2] fp32 (contiguous) and the rotated
+    width r = 2 h; without tables (None) 1-element dummies and r = 0 (the kernels' ROT off)."""
+    if rope_cos is None:
+        dummy = torch.ones(1, 1, device=q.device, dtype=torch.float32)
+        return dummy, dummy, 0
+    Tq, _, C = q.shape
+    h = rope_cos.shape[-1]
+    if tuple(rope_cos.shape) != (Tq, h) or tuple(rope_sin.shape) != (Tq, h) or 2 * h > C:
+        raise ValueError(f"sparse_attn: out_rope tables must be [Tq, r/2] = [{Tq}, <= {C // 2}], got "
+                         f"{tuple(rope_cos.shape)} / {tuple(rope_sin.shape)}")
+    return rope_cos.float().contiguous(), rope_sin.float().contiguous(), 2 * h
+
+
 class _SparseAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_off):
+    def forward(ctx, q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_off,
+                rope_cos=None, rope_sin=None):
         q, kv = q.contiguous(), kv.contiguous()
         Tq, H, C = q.shape
         mode, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, elo, ehi = prepare(
             q, kv, comp, comp_idx, ratio, seg, pos, entry_seg, entry_j, q_off)
+        cs, sn, rd = _out_rope(q, rope_cos, rope_sin)
         o = torch.empty_like(q)
         lse = torch.empty(Tq, H, device=q.device, dtype=torch.float32)
         hb = _heads(q, H, _FWD_BH)
         _sparse_attn_fwd[_grid(Tq, H, hb)](
-            q, kv, comp_t, idx_t, sink.contiguous(), o, lse, seg, pos, eseg, ej, elo, ehi,
+            q, kv, comp_t, idx_t, sink.contiguous(), o, lse, seg, pos, eseg, ej, elo, ehi, cs, sn,
             q.stride(0), q.stride(1), kv.stride(0), comp_t.stride(0), idx_t.stride(0), o.stride(0), o.stride(1),
-            lse.stride(0), Tq, H, nsel, int(window), ratio, float(scale) * LOG2E, int(q_off),
-            C=C, MODE=mode, PREC=_prec(q), BD=pow2(C), HB=hb)
-        ctx.save_for_backward(q, kv, comp_t, idx_t, sink, o, lse, seg, pos, eseg, ej, elo, ehi)
-        ctx.cfg = (mode, nsel, int(window), ratio, float(scale), int(q_off))
+            lse.stride(0), cs.stride(0), Tq, H, nsel, int(window), ratio, float(scale) * LOG2E, int(q_off),
+            C=C, MODE=mode, PREC=_prec(q), BD=pow2(C), HB=hb, ROT=rd > 0, RD=max(rd, 2))
+        ctx.save_for_backward(q, kv, comp_t, idx_t, sink, o, lse, seg, pos, eseg, ej, elo, ehi, cs, sn)
+        ctx.cfg = (mode, nsel, int(window), ratio, float(scale), int(q_off), rd)
         ctx.comp_none = comp is None
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, kv, comp_t, idx_t, sink, o, lse, seg, pos, eseg, ej, elo, ehi = ctx.saved_tensors
-        mode, nsel, window, ratio, scale, q_off = ctx.cfg
+        q, kv, comp_t, idx_t, sink, o, lse, seg, pos, eseg, ej, elo, ehi, cs, sn = ctx.saved_tensors
+        mode, nsel, window, ratio, scale, q_off, rd = ctx.cfg
         do = do.contiguous()
         Tq, H, C = q.shape
         dq = torch.empty_like(q)
@@ -444,17 +507,23 @@ class _SparseAttn(torch.autograd.Function):
         has_comp = mode != MODE_NONE
         dcomp = torch.zeros(comp_t.shape, device=q.device, dtype=torch.float32) if has_comp else dkv
         delta = torch.empty_like(lse)
+        if rd:       # o / do are the rotated output's: delta from them (the adjoint), dO un-rotated for the products
+            do_u = torch.empty_like(do)
+            _out_rope_bwd_prep[(triton.cdiv(Tq * H, _PREP_ROWS),)](
+                o, do, do_u, delta, cs, sn, o.stride(0), o.stride(1), delta.stride(0), cs.stride(0), Tq, H,
+                C=C, RD=rd, BD=pow2(C), BR=_PREP_ROWS, num_warps=4)
+            do = do_u
         hb = _heads(q, H, _BWD_BH)
         _sparse_attn_bwd[_grid(Tq, H, hb)](
             q, kv, comp_t, idx_t, o, do, lse, dq, dkv, dcomp, delta, seg, pos, eseg, ej, elo, ehi,
             q.stride(0), q.stride(1), kv.stride(0), comp_t.stride(0), idx_t.stride(0), o.stride(0), o.stride(1),
             lse.stride(0), Tq, H, nsel, window, ratio, scale * LOG2E, scale, q_off,
-            C=C, MODE=mode, PREC=_prec(q), BD=pow2(C), HB=hb)
+            C=C, MODE=mode, PREC=_prec(q), BD=pow2(C), HB=hb, DELTA_IN=rd > 0)
         # d sink_h = -Σ_t p_sink(t,h) · delta(t,h),  p_sink = exp(z_h - lse)   (lse in log2 units)
         p_sink = torch.exp2(sink.float() * LOG2E - lse)
         dsink = -(p_sink * delta).sum(0).to(sink.dtype)
         dcomp_out = None if ctx.comp_none else (dcomp.to(comp_t.dtype) if has_comp else None)
-        return (dq, dkv.to(kv.dtype), dcomp_out, None, dsink) + (None,) * 8
+        return (dq, dkv.to(kv.dtype), dcomp_out, None, dsink) + (None,) * 10
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor | None, comp_idx: torch.Tensor | None,

@@ -17,8 +17,7 @@ from dsv4.model.losses import AuxLosses  # noqa: E402
 DEV = "cuda" if CUDA else "cpu"
 
 
-@pytest.mark.parametrize("layer", [0, 1, 2])
-def test_triton_backend_matches_naive_through_the_module(layer):
+def _attn(layer):
     cfg = get_config("debug", indexer_loss_coeff=1.0)
     torch.manual_seed(layer)
     attn = DSv4Attention(cfg, layer).to(DEV).train()
@@ -26,7 +25,15 @@ def test_triton_backend_matches_naive_through_the_module(layer):
         for n, p in attn.named_parameters():
             if p.dim() == 1 or n.endswith("ape"):
                 p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in n else 0.0))
-    h = torch.randn(1, 21, cfg.hidden_size, device=DEV, requires_grad=True)
+    return cfg, attn
+
+
+@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_triton_backend_matches_naive_through_the_module(layer, B):
+    """B = 2: the rows' entries and selections merged into one attention call (DSv4Attention._merge)."""
+    cfg, attn = _attn(layer)
+    h = torch.randn(B, 21, cfg.hidden_size, device=DEV, requires_grad=True)
     res = {}
     for be in ("naive", "triton"):
         aux = AuxLosses()
@@ -51,3 +58,40 @@ def test_triton_backend_matches_naive_through_the_module(layer):
     if s0 is not None:
         assert torch.equal(s0, s1)
         assert abs(l0.item() - l1.item()) <= 1e-5 * abs(l0.item()) + 1e-7          # measured 3.0e-8 (11 hosts), x20
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+@pytest.mark.parametrize("backend", ["naive", "triton"])
+def test_out_rope_fused_equals_separate(backend, layer):
+    """DSv4Model.set_out_rope: the output's inverse RoPE inside the attention op ("fused", default) or after it
+    ("separate"). naive: the same ops, bit for bit. triton (interpreter, fp32): outputs and every gradient within
+    the tolerances above (summation order only), and autograd keeps one [T, H, c] output tensor fewer."""
+    cfg, attn = _attn(layer)
+    h = torch.randn(2, 21, cfg.hidden_size, device=DEV, requires_grad=True)
+    res, kept = {}, {}
+    T, H, c = 2 * 21, cfg.num_attention_heads, cfg.head_dim
+    for mode in ("separate", "fused"):
+        attn.out_rope = mode
+        aux, saved = AuxLosses(), []
+
+        def pack(t):
+            saved.append(t)
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = attn(h, aux=aux, backend=backend)
+        kept[mode] = len({t.untyped_storage().data_ptr() for t in saved if t.numel() == T * H * c})
+        il = aux.indexer[0][0] if aux.indexer else 0
+        res[mode] = (y.detach(), torch.autograd.grad(y.square().mean() + il, [h] + list(attn.parameters()),
+                                                     allow_unused=True))
+    (y0, g0), (y1, g1) = res["separate"], res["fused"]
+    if backend == "naive":
+        assert torch.equal(y0, y1) and all((a is None and b is None) or torch.equal(a, b) for a, b in zip(g0, g1))
+        return
+    rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-30)).item()   # noqa: E731
+    tol_y, tol_g = (1e-6, 1e-5) if not CUDA else (2e-3, 1e-2)
+    assert rel(y1, y0) <= tol_y
+    for a, b in zip(g1, g0):
+        assert (a is None) == (b is None)
+        if a is not None and b.norm() > 0:
+            assert rel(a, b) <= tol_g
+    assert kept["fused"] == kept["separate"] - 1, kept

@@ -177,7 +177,7 @@ def test_head_ce_modes_are_rows_with_a_ratio(tmp_path, monkeypatch):
         seen.append(mode)
         return orig(self, mode)
     monkeypatch.setattr(DSv4Model, "set_head_ce", spy)
-    doc = _run(tmp_path, ["ours"], [256], head_ces=("recompute", "grad_in_forward"))
+    doc = _run(tmp_path, ["ours"], [256], switch_modes={"head_ce": ("recompute", "grad_in_forward")})
     assert seen == ["recompute", "grad_in_forward"]
     rows = {(r["impl"], r.get("head_ce")): r for r in doc["results"]}
     assert set(rows) == {("ours", None), ("ours", "grad_in_forward")}
@@ -186,6 +186,26 @@ def test_head_ce_modes_are_rows_with_a_ratio(tmp_path, monkeypatch):
         rows[("ours", "grad_in_forward")]["tokens_per_s"] / rows[("ours", None)]["tokens_per_s"])}
     again = bench.merge_results(doc["results"], [dict(rows[("ours", "grad_in_forward")], tokens_per_s=1.0)])
     assert len(again) == 2 and [r["tokens_per_s"] for r in again if r.get("head_ce")] == [1.0]   # replaced by key
+
+
+def test_switch_modes_cross_into_rows_keyed_by_their_non_default_fields(tmp_path, monkeypatch):
+    """--head-ce and --out-rope together: one ours row per combination (the model really switched), each keyed by
+    its non-default fields, and each non-default row's ratio over the all-default row."""
+    seen = []
+    orig = DSv4Model.set_out_rope
+
+    def spy(self, mode):
+        seen.append(mode)
+        return orig(self, mode)
+    monkeypatch.setattr(DSv4Model, "set_out_rope", spy)
+    doc = _run(tmp_path, ["ours"], [128], switch_modes={"head_ce": ("recompute", "grad_in_forward"),
+                                                        "out_rope": ("fused", "separate")})
+    assert seen == ["fused", "separate"] * 2
+    keys = {(r.get("head_ce"), r.get("out_rope")) for r in doc["results"]}
+    assert keys == {(None, None), (None, "separate"), ("grad_in_forward", None), ("grad_in_forward", "separate")}
+    assert set(doc["ratios"]) == {"ours[out_rope=separate]_over_ours@128",
+                                  "ours[head_ce=grad_in_forward]_over_ours@128",
+                                  "ours[head_ce=grad_in_forward][out_rope=separate]_over_ours@128"}
 
 
 @pytest.mark.parametrize("args,names", [
@@ -198,6 +218,7 @@ def test_head_ce_modes_are_rows_with_a_ratio(tmp_path, monkeypatch):
     (["--append", "--out", "{h200}"], "was measured on platform 'h200', this run is 'cpu'"),
     (["--head-ce", "recompute,fused"], "--head-ce: a comma list of distinct modes"),
     (["--head-ce", "recompute,recompute"], "--head-ce: a comma list of distinct modes"),
+    (["--out-rope", "fused,inside"], "--out-rope: a comma list of distinct modes from fused, separate"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, args, names):
     files = {"{bad}": "not json", "{other}": json.dumps({"bench": "kernels", "ops": {}}),
