@@ -30,7 +30,7 @@ import importlib.util
 BACKENDS = ("naive", "triton")
 
 # op -> backend -> "module:function" (under dsv4.kernels). Ops without a Triton kernel name their reference
-# (or a plain-PyTorch variant) under "triton" explicitly: mhc's sinkhorn and hc_head.
+# (or a plain-PyTorch variant) under "triton" explicitly: mhc's sinkhorn.
 OPS: dict[str, dict[str, str]] = {
     "sparse_attn": {"naive": "sparse_attn.naive:sparse_attn", "triton": "sparse_attn.op:sparse_attn",
                     "triton+flashmla": "sparse_attn.op:sparse_attn_flashmla",
@@ -45,7 +45,7 @@ OPS: dict[str, dict[str, str]] = {
     "sinkhorn": {"naive": "mhc.naive:sinkhorn", "triton": "mhc.naive:sinkhorn"},
     "hc_pre": {"naive": "mhc.naive:hc_pre", "triton": "mhc.op:hc_pre"},
     "hc_post": {"naive": "mhc.naive:hc_post", "triton": "mhc.op:hc_post"},
-    "hc_head": {"naive": "mhc.naive:hc_head", "triton": "mhc.naive:hc_head"},
+    "hc_head": {"naive": "mhc.naive:hc_head", "triton": "mhc.op:hc_head"},
     "clamped_swiglu": {"naive": "swiglu.naive:clamped_swiglu", "triton": "swiglu.op:clamped_swiglu"},
     "fp8_quantize": {"naive": "quant.naive:fp8_quantize", "triton": "quant.op:fp8_quantize"},
     "rms_norm": {"naive": "rmsnorm.naive:rms_norm", "triton": "rmsnorm.op:rms_norm"},

@@ -164,7 +164,7 @@ class DSv4Attention(nn.Module):
             raise ValueError(f"DSv4Attention: h [B, S] = {(B, S)} but the layout describes {layout.shape}")
         H, c, g = self.n_heads, self.head_dim, self.o_groups
         x, seg, pos, rope_pos, q0 = layout.context(h.reshape(B * S, d), self.halo)     # [T', d], q0 halo rows
-        xl, rq = x[q0:], rope_pos[q0:]
+        xl, rq = (x, rope_pos) if q0 == 0 else (x[q0:], rope_pos[q0:])    # (a full slice's backward fills zeros)
         T = xl.shape[0]
         cq = self.q_norm(self.wq_a(xl))                                         # [T, d_c]
         q = self.wq_b(cq).view(T, H, c)                                         # [T, H, c]
@@ -178,7 +178,8 @@ class DSv4Attention(nn.Module):
         ctxs = [(seg, pos, rope_pos, q0)] if B == 1 else [tuple(t[r * S:(r + 1) * S] for t in (seg, pos, rope_pos))
                                                           + (0,) for r in range(B)]
         cut = (lambda t, r: t) if B == 1 else (lambda t, r: t[r * S:(r + 1) * S])
-        picks = [self._select(cut(x, r), cut(cq, r), ctxs[r], layout, backend, None if B == 1 else r)
+        xr = [x] if B == 1 else x.split(S)              # one SplitBackward (a cat), not B zero-filled slices
+        picks = [self._select(xr[r], cut(cq, r), ctxs[r], layout, backend, None if B == 1 else r)
                  for r in range(B)]
         comp, eseg, ej, use_sel, want_loss, listed = self._merge(picks)
         sa_backend = ATTN_FWDS[self.attn_fwd] if backend == "triton" else backend

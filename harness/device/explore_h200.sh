@@ -31,7 +31,7 @@ step 1 keymajor "${KM_TIMEOUT:-180}" "python3 harness/device/sparse_bwd_keymajor
 step 2 profile "${PROF_TIMEOUT:-220}" "python3 -m dsv4.harness.train.profile_step --tokens ${TOKENS:-16384} --batch 2 --by-source --out $OUT"
 step 3 pytest_new "${NEW_TIMEOUT:-80}" "python3 -m pytest -q -p no:cacheprovider kernels/norm_rope kernels/moe_combine \
   kernels/cross_entropy/test_cross_entropy.py 'kernels/indexer/test_indexer.py::test_listed_scores_bf16_matches_naive_on_gpu' \
-  'slices/X1/test_indexer_rerank.py::test_gpu_fp8_rerank_at_the_bench_shapes'"
+  'slices/X1/test_indexer_rerank.py::test_gpu_fp8_rerank_at_the_bench_shapes' 'kernels/mhc/test_mhc.py::test_hc_head_matches_naive'"
 step 4 pytest_sparse_attn "${TEST_TIMEOUT:-100}" "python3 -m pytest -q -p no:cacheprovider kernels/sparse_attn/test_sparse_attn.py"
 python3 - "$OUT/sparse_bwd_keymajor.json" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys

@@ -1,8 +1,8 @@
 """`dsv4::hc_pre_fwd|bwd`, `dsv4::hc_post_fwd|bwd`: the fused Triton mHC kernels as torch custom ops (opaque to
 torch.compile; fake implementations for shapes). The bodies run `triton._HcPre` / `triton._HcPost`'s forward /
 backward with a plain ctx record (`FnCtx`), so the numerics are those of the autograd.Functions. hc_pre's
-forward also returns the tensors its backward needs (mix, rinv, pre, fn3); `sinkhorn` and `hc_head` have no Triton
-kernel (the reference is used, see `kernels.OPS`)."""
+forward also returns the tensors its backward needs (mix, rinv, pre, fn3); `hc_head` runs on the hc_pre op (its
+formula is hc_pre's pre / u part); `sinkhorn` has no Triton kernel (the reference is used, see `kernels.OPS`)."""
 from typing import Optional
 
 import torch
@@ -79,6 +79,24 @@ def hc_pre(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: 
         raise ValueError(f"hc_pre: fn shape {tuple(fn.shape)} != ((2+n)n, n*d) = {((2 + n) * n, n * d)}")
     u, post, comb, *_ = _hc_pre(x, fn, base, scale, int(iters), float(eps), float(norm_eps))
     return u, post, comb
+
+
+def hc_head(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, eps: float, norm_eps: float) -> Tensor:
+    """HyperHead collapse (spec §4.3; `naive.hc_head`'s contract: fn [n, n*d], base [n], scale [1] -> y [N,d]) on the
+    hc_pre kernels: its pre = sigmoid(mix[:, :n] scale[0] + base[:n]) + eps and u = Σ_j pre_j X_j are the head's
+    formula, so the head runs as hc_pre with its n rows first and the post / comb rows zero (their outputs unused,
+    one Sinkhorn step on zeros): one read of x to project, one to aggregate, where the PyTorch reference made
+    six fp32 [N, n*d] passes each way (2 calls a step: the head and the MTP head)."""
+    N, n, d = x.shape
+    if tuple(fn.shape) != (n, n * d) or base.numel() != n or scale.numel() != 1:
+        raise ValueError(f"hc_head: fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale {tuple(scale.shape)} "
+                         f"!= ({n}, {n * d}), ({n},), (1,)")
+    R = (2 + n) * n
+    fn_r = torch.cat([fn, fn.new_zeros(R - n, n * d)])                  # [(2+n)n, n*d]: pre rows, then zeros
+    base_r = torch.cat([base.reshape(n), base.new_zeros(R - n)])
+    scale_r = torch.cat([scale.reshape(1), scale.new_zeros(2)])
+    u, *_ = _hc_pre(x, fn_r, base_r, scale_r, 1, float(eps), float(norm_eps))
+    return u
 
 
 # ----------------------------------------------------------------------------------------------- hc_post

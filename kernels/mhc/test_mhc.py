@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
-from dsv4.kernels.mhc import hc_post, hc_pre  # noqa: E402
+from dsv4.kernels.mhc import hc_head, hc_post, hc_pre  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 F32, BF16 = torch.float32, torch.bfloat16
@@ -61,6 +61,31 @@ def test_hc_pre_matches_naive(N, n, d, dt):
     gb = torch.autograd.grad(want, (x, fn, base, scale), gs)
     for name, a, b in zip(("dx", "dfn", "dbase", "dscale"), ga, gb):
         check(name, a, b)
+
+
+@pytest.mark.parametrize("N,n,d,dt", CASES + (REAL if CUDA else []))
+def test_hc_head_matches_naive(N, n, d, dt):
+    """The HyperHead collapse on the Triton backend (kernels/mhc/op.py `hc_head`: hc_pre's kernels with the head's
+    n rows first, the post / comb rows zero) vs the PyTorch reference: y and the gradients of x, fn, base, scale,
+    at hc_pre's tolerances (the same kernels and products)."""
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    check = _tols(dt)
+    x = torch.randn(N, n, d, generator=gen, device=DEV).to(dt).requires_grad_()
+    fn = (torch.randn(n, n * d, generator=gen, device=DEV) * (n * d) ** -0.5 * 3).requires_grad_()
+    base = torch.randn(n, generator=gen, device=DEV).requires_grad_()
+    scale = (torch.rand(1, generator=gen, device=DEV) + 0.5).requires_grad_()
+    got = hc_head(x, fn, base, scale, 1e-6, 1e-6, backend="triton")
+    want = hc_head(x, fn, base, scale, 1e-6, 1e-6, backend="naive")
+    assert got.dtype == want.dtype == dt and got.shape == (N, d)
+    check("y", got, want)
+    dy = torch.randn_like(got)
+    ga = torch.autograd.grad(got, (x, fn, base, scale), dy)
+    gb = torch.autograd.grad(want, (x, fn, base, scale), dy)
+    for name, a, b in zip(("dx", "dfn", "dbase", "dscale"), ga, gb):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        check(name, a, b)
+    with pytest.raises(ValueError, match="hc_head: fn"):
+        hc_head(x, fn[:, 1:], base, scale, 1e-6, 1e-6, backend="triton")
 
 
 @pytest.mark.parametrize("N,n,d,dt", CASES + (REAL if CUDA else []))

@@ -40,7 +40,7 @@ hc_post: one kernel each way, per (block of tokens, block of channels), 2X + U f
   backward writes dpost / dcomb partial sums per channel block (summed by PyTorch; deterministic, no atomics).
 Every streaming kernel is autotuned over block sizes / warps / stages (and SPLIT / NSPLIT); the launch code
 reads the split the tuner picked (`tuned`) to reduce exactly the partials that launch wrote.
-`sinkhorn` and `hc_head` are the naive PyTorch versions (not fused here).
+`sinkhorn` is the naive PyTorch version (not fused here); `hc_head` runs on hc_pre (kernels/mhc/op.py).
 """
 from __future__ import annotations
 
@@ -52,7 +52,6 @@ from dsv4.kernels._triton_util import configs, on_cpu, pow2, tuned
 from dsv4.kernels.mhc import naive
 
 sinkhorn = naive.sinkhorn
-hc_head = naive.hc_head
 
 
 def _ieee(x) -> bool:
