@@ -464,7 +464,7 @@ def _out_rope(q, rope_cos, rope_sin):
     """(cos, sin, r) of the output's fused inverse rotation: the tables [Tq, r/2] fp32 (contiguous) and the rotated
     width r = 2 h; without tables (None) 1-element dummies and r = 0 (the kernels' ROT off)."""
     if rope_cos is None:
-        dummy = torch.ones(1, 1, device=q.device, dtype=torch.float32)
+        dummy = torch.empty(1, 1, device=q.device, dtype=torch.float32)      # never read (ROT off): no fill
         return dummy, dummy, 0
     Tq, _, C = q.shape
     h = rope_cos.shape[-1]
