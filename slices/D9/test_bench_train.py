@@ -167,16 +167,21 @@ def test_append_merges_and_replaces_by_key(tmp_path, monkeypatch):
     assert doc["ratios"] == {"ours_over_hf_eager@128": pytest.approx(ours128 / 100.0)}
 
 
-def test_head_ce_modes_are_rows_with_a_ratio(tmp_path, monkeypatch):
-    """--head-ce recompute,grad_in_forward: one ours row per mode (the model really switched: DSv4Model.set_head_ce
-    sees each), keyed apart by head_ce, HF rows once, and the ratio of the non-default row over the default one."""
-    seen = []
-    orig = DSv4Model.set_head_ce
+def _spy(monkeypatch, setter: str) -> list:
+    """The modes DSv4Model.<setter> is called with, in order (the setter still runs)."""
+    seen, orig = [], getattr(DSv4Model, setter)
 
     def spy(self, mode):
         seen.append(mode)
         return orig(self, mode)
-    monkeypatch.setattr(DSv4Model, "set_head_ce", spy)
+    monkeypatch.setattr(DSv4Model, setter, spy)
+    return seen
+
+
+def test_head_ce_modes_are_rows_with_a_ratio(tmp_path, monkeypatch):
+    """--head-ce recompute,grad_in_forward: one ours row per mode (the model really switched: DSv4Model.set_head_ce
+    sees each), keyed apart by head_ce, HF rows once, and the ratio of the non-default row over the default one."""
+    seen = _spy(monkeypatch, "set_head_ce")
     doc = _run(tmp_path, ["ours"], [256], switch_modes={"head_ce": ("recompute", "grad_in_forward")})
     assert seen == ["recompute", "grad_in_forward"]
     rows = {(r["impl"], r.get("head_ce")): r for r in doc["results"]}
@@ -191,13 +196,7 @@ def test_head_ce_modes_are_rows_with_a_ratio(tmp_path, monkeypatch):
 def test_switch_modes_cross_into_rows_keyed_by_their_non_default_fields(tmp_path, monkeypatch):
     """--head-ce and --out-rope together: one ours row per combination (the model really switched), each keyed by
     its non-default fields, and each non-default row's ratio over the all-default row."""
-    seen = []
-    orig = DSv4Model.set_out_rope
-
-    def spy(self, mode):
-        seen.append(mode)
-        return orig(self, mode)
-    monkeypatch.setattr(DSv4Model, "set_out_rope", spy)
+    seen = _spy(monkeypatch, "set_out_rope")
     doc = _run(tmp_path, ["ours"], [128], switch_modes={"head_ce": ("recompute", "grad_in_forward"),
                                                         "out_rope": ("fused", "separate")})
     assert seen == ["fused", "separate"] * 2
