@@ -193,8 +193,9 @@ class DSv4Attention(nn.Module):
         sel = _cat_selections([p["selection"] for p in picks]) if self.indexer is not None else None
         loss = None
         if want_loss:
-            loss = _combine_losses([self._loss(p, cut(q, r), cut(kv, r), None if lse is None else cut(lse, r),
-                                               ctxs[r], backend) for r, p in enumerate(picks)])
+            losses = [self._loss(p, cut(q, r), cut(kv, r), None if lse is None else cut(lse, r), ctxs[r], backend)
+                      for r, p in enumerate(picks)]
+            loss = losses[0] if B == 1 else _combine_losses(losses)
         if aux is not None and sel is not None:
             aux.add_selection(*sel)
         if aux is not None and loss is not None:

@@ -39,7 +39,7 @@ import platform
 import shutil
 import sys
 import time
-from dataclasses import dataclass, asdict
+from dataclasses import MISSING, asdict, dataclass, fields
 
 import click
 import numpy as np
@@ -97,6 +97,13 @@ class Recipe:
     precision: str | None = None    # None (off) | bf16 | fp8_tensor | fp8_block | fp4_qat
     indexer_qk_precision: str | None = None   # overrides the precision recipe's: bf16 | fp8 | fp4
     indexer_qk_rerank: float | None = None    # overrides the recipe's re-rank margin (fp8 / fp4 picks re-ranked)
+
+
+def stored_recipe(r: dict) -> dict:
+    """A checkpoint's stored recipe with the Recipe fields added since it was written at their defaults (so a
+    field added later, e.g. indexer_qk_rerank, does not refuse the resume of an older run at that default)."""
+    defaults = {f.name: f.default for f in fields(Recipe) if f.default is not MISSING}
+    return {**json.loads(json.dumps(defaults)), **r}
 
 
 RECIPES = {
@@ -423,7 +430,7 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
         def core(r):
             return {k: v for k, v in r.items() if k not in ("steps", "save_interval", "compile", "cuda_graphs")}
         now = json.loads(json.dumps(asdict(recipe)))                        # tuples -> lists, as stored
-        if meta["config_hash"] != cfg_hash or core(meta["recipe"]) != core(now):
+        if meta["config_hash"] != cfg_hash or core(stored_recipe(meta["recipe"])) != core(now):
             raise TrainError(f"resume: checkpoint {resume!r} was made with another recipe/config")
         if meta["seed"] != seed:
             raise TrainError(f"resume: checkpoint seed {meta['seed']} != --seed {seed}")

@@ -26,9 +26,10 @@ def sparse_attn(q, kv, comp, comp_idx, sink, window: int, ratio: int, scale: flo
     backward (Megatron-LM dev #7036's output inverse-RoPE reconstruction: no second [Tq,H,c] tensor), whose first
     pass takes delta = rowsum(O ∘ dO) from the rotated pair (the rotation's adjoint gives the same) and rotates
     dO's last r dims forward into the dO the kernel reads (which then does not read O). The other backends run
-    kernels/rope's `rope_rows` on the output (its own "naive" / "triton" backend), the same math."""
+    kernels/rope's `rope_rows` on the output (its own "naive" / "triton" backend), the same math; so does "triton"
+    when c - r is odd (the kernels' pairs are (2i, 2i+1) of the whole row, the rotation's start at c - r)."""
     fn = get_op("sparse_attn", backend, q.device)
-    if out_rope is not None and backend == "triton":
+    if out_rope is not None and backend == "triton" and (q.shape[-1] - 2 * out_rope[0].shape[-1]) % 2 == 0:
         return fn(q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_offset,
                   return_lse, out_rope=out_rope)
     out = fn(q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_offset, return_lse)

@@ -134,6 +134,21 @@ def test_fused_output_rope_matches_attention_then_rope(shape, mode, ratio, k, la
             assert_rel(n, a, b, 5e-2 if (n == "dcomp" and mode == "csa") else 2e-2)
 
 
+def test_fused_output_rope_with_odd_c_minus_r_falls_back():
+    """c - r odd (c 25, r 8): the kernels pair channels (2i, 2i+1) of the whole row, so `sparse_attn` rotates after
+    the Triton attention instead (the same result as naive + rope), and the op refuses such tables itself."""
+    from dsv4.kernels.rope import rope_rows
+    from dsv4.kernels.sparse_attn import op as O
+    (q, kv, comp, idx, sink), meta = _case("csa", [5, 11, 2, 9], [2, 0, 3, 1], 0, H=3, c=25, window=5,
+                                           dtype=torch.float32, ratio=3, k=4)
+    cos, sin = _tables(q.shape[0], 8, 0.7, torch.Generator(device=DEV).manual_seed(9))
+    o = sparse_attn(q, kv, comp, idx, sink, 5, 3, 0.2, **meta, out_rope=(cos, sin), backend="triton")
+    ref = rope_rows(sparse_attn(q, kv, comp, idx, sink, 5, 3, 0.2, **meta, backend="naive"), cos, sin, True)
+    assert_close("o", o, ref, 2e-5, 1e-5)
+    with pytest.raises(ValueError, match="c - r even"):
+        O.sparse_attn(q, kv, comp, idx, sink, 5, 3, 0.2, **meta, out_rope=(cos, sin))
+
+
 def test_fused_output_rope_backward_needs_the_unrotated_do():
     """The backward's un-rotation of dO is load-bearing: the same fused forward whose backward is given tables
     of angle 0 (no un-rotation) gives a dq off the oracle's by far more than the bound above."""

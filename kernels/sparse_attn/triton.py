@@ -468,9 +468,9 @@ def _out_rope(q, rope_cos, rope_sin):
         return dummy, dummy, 0
     Tq, _, C = q.shape
     h = rope_cos.shape[-1]
-    if tuple(rope_cos.shape) != (Tq, h) or tuple(rope_sin.shape) != (Tq, h) or 2 * h > C:
-        raise ValueError(f"sparse_attn: out_rope tables must be [Tq, r/2] = [{Tq}, <= {C // 2}], got "
-                         f"{tuple(rope_cos.shape)} / {tuple(rope_sin.shape)}")
+    if tuple(rope_cos.shape) != (Tq, h) or tuple(rope_sin.shape) != (Tq, h) or 2 * h > C or (C - 2 * h) % 2:
+        raise ValueError(f"sparse_attn: out_rope tables must be [Tq, r/2] = [{Tq}, <= {C // 2}] with c - r even "
+                         f"(the kernels' channel pairs), got {tuple(rope_cos.shape)} / {tuple(rope_sin.shape)}, c {C}")
     return rope_cos.float().contiguous(), rope_sin.float().contiguous(), 2 * h
 
 

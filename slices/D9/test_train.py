@@ -88,6 +88,18 @@ def test_resume_is_exact(tmp_path):
     assert all(v["exp_avg"].dtype == torch.float32 for v in ob["adamw"]["state"].values())
 
 
+def test_stored_recipe_fills_fields_added_since_at_their_defaults():
+    """A checkpoint written before a Recipe field existed (e.g. indexer_qk_rerank) resumes: its stored recipe is read
+    with that field at its default; a stored value that differs from the run's still counts as another recipe."""
+    from dataclasses import asdict
+
+    from dsv4.harness.train.loop import RECIPES, stored_recipe
+    now = json.loads(json.dumps(asdict(RECIPES["debug"])))
+    old = {k: v for k, v in now.items() if k not in ("indexer_qk_rerank", "indexer_qk_precision")}
+    assert stored_recipe(old) == now
+    assert stored_recipe({**old, "indexer_qk_rerank": 0.5}) != now
+
+
 CHILD = r"""
 import sys, torch
 from dsv4.harness.train import checkpoint as ck
