@@ -417,12 +417,13 @@ def _cudnn_indexer_cols(q, kk, w, ratio, meta, k, row, fn=None, capability=None)
                             f"cudnn_{p}_mask_equal": bool(torch.equal(torch.isfinite(I), fin)),
                             f"cudnn_{p}_select_ms": _ms(lambda: indexer_topk(call(), k, backend="triton"), rep=30)})
                 picks[p] = I if p == "bf16" else I.bfloat16()
+                if p == "fp8":
+                    q8f, k8f = qi, ki                                   # the FP8 features, for the re-rank below
                 del I, tri, mask
             if "fwd_ms" in row:
                 out["ours_fwd_over_cudnn_bf16"] = row["fwd_ms"] / out["cudnn_bf16_fwd_ms"]
             out["cudnn_fp8_topk_recall_vs_bf16"] = topk_recall(picks["fp8"].cpu(), picks["bf16"].cpu(), k,
                                                                min_visible=k)
-            q8f, k8f = qk_fake_quant(q, "fp8"), qk_fake_quant(kk, "fp8")
             for m in RERANK_MARGINS:            # fp8 pre-filter of k' = ceil(k (1 + m)), bf16 re-rank to k
                 def rerank_select():
                     I8 = op.indexer_scores_cudnn(q8f, k8f, w, ratio, *meta, "fp8", fwd_fn=fn, capability=cap)

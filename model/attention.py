@@ -245,7 +245,7 @@ class DSv4Attention(nn.Module):
         entry_seg, entry_j) and what the indexer loss needs (its features, the mode)."""
         seg, pos, rope_pos, q0 = ctx
         cfg = self.cfg
-        out = dict(comp=None, eseg=None, ej=None, sel=None, selection=None, feats=None, scores=None)
+        out = dict(comp=None, eseg=None, ej=None, selection=None, feats=None, scores=None, use_sel=None)
         if self.compressor is not None:
             slots = self._slots(layout, self.compressor, row, backend)
             out["comp"], out["eseg"], out["ej"] = layout.gather_entries(
@@ -258,8 +258,8 @@ class DSv4Attention(nn.Module):
             scores, sel, iseg, ij, feats = self.indexer(x.detach(), cq.detach(), ctx, layout, backend=backend,
                                                         dense_grad=out["want_loss"] and mode == "dense",
                                                         return_feats=True, slots=islots)         # [T, N]
-            out.update(sel=sel, selection=(sel, iseg, ij), feats=feats, scores=scores)
-        out["use_sel"] = out["sel"] if (self.indexer is not None and mode != "dense") else None   # dense: all entries
+            out.update(selection=(sel, iseg, ij), feats=feats, scores=scores,
+                       use_sel=sel if mode != "dense" else None)                  # dense: all entries
         out["listed"] = out["want_loss"] and out["use_sel"] is not None and cfg.indexer_teacher == "joint"
         return out
 
@@ -271,14 +271,10 @@ class DSv4Attention(nn.Module):
         if len(picks) == 1 or p0["comp"] is None:
             return p0["comp"], p0["eseg"], p0["ej"], p0["use_sel"], p0["want_loss"], p0["listed"]
         comp = torch.cat([p["comp"] for p in picks])
-        eseg, ej = torch.cat([p["eseg"] for p in picks]), torch.cat([p["ej"] for p in picks])
-        use_sel = None
         if p0["use_sel"] is not None:
-            offs, n = [], 0
-            for p in picks:
-                offs.append(torch.where(p["use_sel"] >= 0, p["use_sel"] + n, p["use_sel"]))
-                n += p["comp"].shape[0]
-            use_sel = torch.cat(offs)
+            use_sel, eseg, ej = _cat_selections([(p["use_sel"], p["eseg"], p["ej"]) for p in picks])
+        else:
+            use_sel, eseg, ej = None, torch.cat([p["eseg"] for p in picks]), torch.cat([p["ej"] for p in picks])
         return comp, eseg, ej, use_sel, p0["want_loss"], p0["listed"]
 
     def _loss(self, part, q, kv, lse, ctx, backend):
