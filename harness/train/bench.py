@@ -206,12 +206,18 @@ def _compile_counters() -> dict:
 
 # ------------------------------------------------------------------------------------------- results
 # DSv4Model switches a bench row can set (the ours rows run once per combination of the listed modes): row field
-# -> (DSv4Model setter, default mode); a row carries the field only when not at the default
-SWITCHES = {"head_ce": ("set_head_ce", "recompute"), "out_rope": ("set_out_rope", "fused")}
+# -> (DSv4Model setter, default mode, the mode of a stored ours row without the field). Every ours row written since
+# the head_ce default became grad_in_forward (session 21) carries every field; older rows carry a field only where
+# it was not the default of their day: head_ce absent = "recompute", out_rope absent = "fused" (rows before c456743
+# ran the separate rotation, the only one then: compare rows of one call). HF rows have no switches.
+SWITCHES = {"head_ce": ("set_head_ce", "grad_in_forward", "recompute"), "out_rope": ("set_out_rope", "fused", "fused")}
+DEFAULTS = tuple(d for _, d, _ in SWITCHES.values())
 
 
 def _switches(r) -> tuple:
-    return tuple(r.get(f, d) for f, (_, d) in SWITCHES.items())
+    if IMPLS.get(r["impl"], ("",))[0] != "ours":
+        return DEFAULTS
+    return tuple(r.get(f, a) for f, (_, _, a) in SWITCHES.items())
 
 
 def _key(r) -> tuple:
@@ -232,7 +238,7 @@ def ratios(results: list[dict]) -> dict:
     row. Keys `<a>_over_<b>@<tokens>` / `<a>[head_ce=<mode>]..._over_<a>@<tokens>` (`/b<batch>` appended where the
     rows hold several batches at those tokens)."""
     every = {_key(r): r["tokens_per_s"] for r in results if r.get("tokens_per_s")}
-    default = tuple(d for _, d in SWITCHES.values())
+    default = DEFAULTS
     ok = {k[:3]: v for k, v in every.items() if k[3] == default}
     batches: dict[int, set] = {}
     for _, T, B, _ in every:
@@ -319,7 +325,7 @@ def _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, pr
         model = build_ours(cfg, backend, device, mode or False)
         rec["recompute"] = T >= recompute_from                 # whole-block activation recompute
         model.set_recompute(rec["recompute"])
-        for f, (setter, d) in SWITCHES.items():               # DSv4Model.set_head_ce, ... (`run` keys the row)
+        for f, (setter, d, _) in SWITCHES.items():            # DSv4Model.set_head_ce, ... (`run` keys the row)
             getattr(model, setter)((switches or {}).get(f, d))
     else:
         model = build_hf(cfg, device, mode is not None)
@@ -416,12 +422,12 @@ def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: i
                                for r in rows),
                 "results": rows, "ratios": ratios(rows), "provenance": prov}
 
-    modes = [(switch_modes or {}).get(f, (d,)) for f, (_, d) in SWITCHES.items()]
+    modes = [(switch_modes or {}).get(f, (d,)) for f, (_, d, _) in SWITCHES.items()]
     combos = [dict(zip(SWITCHES, c)) for c in itertools.product(*modes)]
     plan = [(impl, T, sw) for impl in names for T in toks
             for sw in (combos if IMPLS[impl][0] == "ours" else [{}])]
     for impl, T, sw in plan:
-        tag = {f: m for f, m in sw.items() if m != SWITCHES[f][1]}   # a row key only when not the default
+        tag = dict(sw)                 # ours rows carry every switch's mode (SWITCHES); HF rows none
 
         def timed(rec):                # the timed row on disk before its profile step (`_row`)
             if out:
@@ -462,14 +468,14 @@ def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: i
               help="Ours: torch.compile every block (ours -> ours_compile, ours_packed -> ours_packed_compile).")
 @click.option("--profile", is_flag=True, help="Profile one extra step per row; a summary is stored with it.")
 @click.option("--doc-min", default=128, type=int, help="Packed impls: shortest document drawn (tokens).")
-@click.option("--head-ce", "head_ce", default="recompute",
-              help="Ours: comma list of head cross-entropy gradient modes (recompute | grad_in_forward), one row "
-                   "each (DSv4Model.set_head_ce); rows of a non-default mode carry head_ce and a ratio over the "
-                   "default row.")
+@click.option("--head-ce", "head_ce", default="grad_in_forward",
+              help="Ours: comma list of head cross-entropy gradient modes (grad_in_forward | recompute), one row "
+                   "each (DSv4Model.set_head_ce); every ours row carries head_ce, a non-default row a ratio over "
+                   "the default row.")
 @click.option("--out-rope", "out_rope", default="fused",
               help="Ours: comma list of where the attention output's inverse RoPE runs (fused | separate), one row "
-                   "each (DSv4Model.set_out_rope; crossed with --head-ce); rows of a non-default mode carry out_rope "
-                   "and a ratio over the default row.")
+                   "each (DSv4Model.set_out_rope; crossed with --head-ce); every ours row carries out_rope, a "
+                   "non-default row a ratio over the default row.")
 @click.option("--out", "out", default=None, type=click.Path(dir_okay=False),
               help="JSON written atomically after every row.")
 @click.option("--append", is_flag=True, help="Keep the rows already in --out (same impl/tokens/batch replaced).")

@@ -179,32 +179,44 @@ def _spy(monkeypatch, setter: str) -> list:
 
 
 def test_head_ce_modes_are_rows_with_a_ratio(tmp_path, monkeypatch):
-    """--head-ce recompute,grad_in_forward: one ours row per mode (the model really switched: DSv4Model.set_head_ce
-    sees each), keyed apart by head_ce, HF rows once, and the ratio of the non-default row over the default one."""
+    """--head-ce grad_in_forward,recompute: one ours row per mode (the model really switched: DSv4Model.set_head_ce
+    sees each), each carrying its head_ce, HF rows once, and the ratio of the non-default row over the default one."""
     seen = _spy(monkeypatch, "set_head_ce")
-    doc = _run(tmp_path, ["ours"], [256], switch_modes={"head_ce": ("recompute", "grad_in_forward")})
-    assert seen == ["recompute", "grad_in_forward"]
+    doc = _run(tmp_path, ["ours"], [256], switch_modes={"head_ce": ("grad_in_forward", "recompute")})
+    assert seen == ["grad_in_forward", "recompute"]
     rows = {(r["impl"], r.get("head_ce")): r for r in doc["results"]}
-    assert set(rows) == {("ours", None), ("ours", "grad_in_forward")}
+    assert set(rows) == {("ours", "grad_in_forward"), ("ours", "recompute")}
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows.values())
-    assert doc["ratios"] == {"ours[head_ce=grad_in_forward]_over_ours@256": pytest.approx(
-        rows[("ours", "grad_in_forward")]["tokens_per_s"] / rows[("ours", None)]["tokens_per_s"])}
-    again = bench.merge_results(doc["results"], [dict(rows[("ours", "grad_in_forward")], tokens_per_s=1.0)])
-    assert len(again) == 2 and [r["tokens_per_s"] for r in again if r.get("head_ce")] == [1.0]   # replaced by key
+    assert doc["ratios"] == {"ours[head_ce=recompute]_over_ours@256": pytest.approx(
+        rows[("ours", "recompute")]["tokens_per_s"] / rows[("ours", "grad_in_forward")]["tokens_per_s"])}
+    again = bench.merge_results(doc["results"], [dict(rows[("ours", "recompute")], tokens_per_s=1.0)])
+    assert len(again) == 2 and [r["tokens_per_s"] for r in again if r["head_ce"] == "recompute"] == [1.0]
+
+
+def test_rows_without_switch_fields_read_as_their_day_s_modes():
+    """A stored ours row without head_ce ran "recompute" (the default before session 21): it is keyed apart from
+    a grad_in_forward row and gets the non-default ratio; HF rows have no switches and pair with the default row."""
+    rows = [dict(impl="ours", tokens=64, batch=2, tokens_per_s=90.0),                       # old: recompute
+            dict(impl="ours", tokens=64, batch=2, tokens_per_s=100.0, head_ce="grad_in_forward", out_rope="fused"),
+            dict(impl="hf_eager", tokens=64, batch=2, tokens_per_s=20.0)]
+    assert len(bench.merge_results(rows[:1], rows[1:2])) == 2
+    assert bench.ratios(rows) == {"ours_over_hf_eager@64": pytest.approx(5.0),
+                                  "ours[head_ce=recompute]_over_ours@64": pytest.approx(0.9)}
 
 
 def test_switch_modes_cross_into_rows_keyed_by_their_non_default_fields(tmp_path, monkeypatch):
     """--head-ce and --out-rope together: one ours row per combination (the model really switched), each keyed by
     its non-default fields, and each non-default row's ratio over the all-default row."""
     seen = _spy(monkeypatch, "set_out_rope")
-    doc = _run(tmp_path, ["ours"], [128], switch_modes={"head_ce": ("recompute", "grad_in_forward"),
+    doc = _run(tmp_path, ["ours"], [128], switch_modes={"head_ce": ("grad_in_forward", "recompute"),
                                                         "out_rope": ("fused", "separate")})
     assert seen == ["fused", "separate"] * 2
-    keys = {(r.get("head_ce"), r.get("out_rope")) for r in doc["results"]}
-    assert keys == {(None, None), (None, "separate"), ("grad_in_forward", None), ("grad_in_forward", "separate")}
+    keys = {(r["head_ce"], r["out_rope"]) for r in doc["results"]}
+    assert keys == {("grad_in_forward", "fused"), ("grad_in_forward", "separate"), ("recompute", "fused"),
+                    ("recompute", "separate")}
     assert set(doc["ratios"]) == {"ours[out_rope=separate]_over_ours@128",
-                                  "ours[head_ce=grad_in_forward]_over_ours@128",
-                                  "ours[head_ce=grad_in_forward][out_rope=separate]_over_ours@128"}
+                                  "ours[head_ce=recompute]_over_ours@128",
+                                  "ours[head_ce=recompute][out_rope=separate]_over_ours@128"}
 
 
 @pytest.mark.parametrize("args,names", [
