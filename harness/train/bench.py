@@ -233,28 +233,28 @@ def merge_results(old: list[dict], new: list[dict]) -> list[dict]:
 
 
 def ratios(results: list[dict]) -> dict:
-    """tokens/s ratios at the same tokens and batch: ours_* over each HF peer, and the PAIRS, between rows of the
-    default SWITCHES; and each row of other switch modes (`--head-ce`, `--out-rope`) over the same impl's default
-    row. Keys `<a>_over_<b>@<tokens>` / `<a>[head_ce=<mode>]..._over_<a>@<tokens>` (`/b<batch>` appended where the
-    rows hold several batches at those tokens)."""
+    """tokens/s ratios at the same tokens and batch: each ours_* row over each HF peer, the PAIRS between rows of
+    the same switch modes, and each row of non-default switch modes (`--head-ce`, `--out-rope`) over the same
+    impl's default row. Keys `<a>_over_<b>@<tokens>`; a row of non-default modes is named `<a>[head_ce=<mode>]...`
+    (`/b<batch>` appended where the rows hold several batches at those tokens)."""
     every = {_key(r): r["tokens_per_s"] for r in results if r.get("tokens_per_s")}
-    default = DEFAULTS
-    ok = {k[:3]: v for k, v in every.items() if k[3] == default}
     batches: dict[int, set] = {}
     for _, T, B, _ in every:
         batches.setdefault(T, set()).add(B)
-    pairs = [(a, p) for a in IMPLS if IMPLS[a][0] == "ours" for p in PEERS] + PAIRS
     out = {}
     for T in sorted(batches):
         for B in sorted(batches[T]):
             tag = f"@{T}" + (f"/b{B}" if len(batches[T]) > 1 else "")
-            for a, b in pairs:
-                if (a, T, B) in ok and (b, T, B) in ok:
-                    out[f"{a}_over_{b}{tag}"] = ok[(a, T, B)] / ok[(b, T, B)]
             for (a, T2, B2, sw), v in every.items():
-                if (T2, B2) == (T, B) and sw != default and (a, T, B) in ok:
-                    name = "".join(f"[{f}={m}]" for f, m, d in zip(SWITCHES, sw, default) if m != d)
-                    out[f"{a}{name}_over_{a}{tag}"] = v / ok[(a, T, B)]
+                if (T2, B2) != (T, B) or IMPLS.get(a, ("",))[0] != "ours":
+                    continue
+                name = a + "".join(f"[{f}={m}]" for f, m, d in zip(SWITCHES, sw, DEFAULTS) if m != d)
+                others = [(p, DEFAULTS, p) for p in PEERS] + [(q, sw, q + name[len(a):]) for x, q in PAIRS if x == a]
+                if sw != DEFAULTS:
+                    others.append((a, DEFAULTS, a))
+                for b, swb, bname in others:
+                    if (b, T, B, swb) in every:
+                        out[f"{name}_over_{bname}{tag}"] = v / every[(b, T, B, swb)]
     return out
 
 

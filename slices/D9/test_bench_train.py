@@ -201,7 +201,11 @@ def test_rows_without_switch_fields_read_as_their_day_s_modes():
             dict(impl="hf_eager", tokens=64, batch=2, tokens_per_s=20.0)]
     assert len(bench.merge_results(rows[:1], rows[1:2])) == 2
     assert bench.ratios(rows) == {"ours_over_hf_eager@64": pytest.approx(5.0),
+                                  "ours[head_ce=recompute]_over_hf_eager@64": pytest.approx(4.5),
                                   "ours[head_ce=recompute]_over_ours@64": pytest.approx(0.9)}
+    cg = dict(impl="ours_cudagraph", tokens=64, batch=2, tokens_per_s=180.0)           # old: recompute
+    assert bench.ratios(rows + [cg])["ours_cudagraph[head_ce=recompute]_over_ours[head_ce=recompute]@64"] == \
+        pytest.approx(2.0)
 
 
 def test_switch_modes_cross_into_rows_keyed_by_their_non_default_fields(tmp_path, monkeypatch):
