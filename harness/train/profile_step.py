@@ -32,6 +32,9 @@ _LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "c
                  "cudaGraphLaunch", "cudaLaunchCooperativeKernel")
 
 
+LABELLED = ("attn", "ffn", "indexer", "compressor", "head", "experts", "shared_experts", "gate")   # `_label`'s modules
+
+
 def _label(model):
     """record_function ranges around the forward of the interesting submodules (pre/post hooks)."""
     from torch.autograd.profiler import record_function
@@ -46,8 +49,7 @@ def _label(model):
         mod._rf.__exit__(None, None, None)
 
     for name, mod in model.named_modules():
-        last = name.split(".")[-1]
-        if last in ("attn", "ffn", "indexer", "compressor", "head", "experts", "shared_experts", "gate"):
+        if name.split(".")[-1] in LABELLED:
             mod.register_forward_pre_hook(pre(name))
             mod.register_forward_hook(post)
 
@@ -136,6 +138,23 @@ def _repo_frame(name: str) -> str | None:
     return path[at:] + ".py(" + rest
 
 
+def _module_label(name: str) -> str | None:
+    """'[layers.1.attn]' for a `_label` range's name (a module path ending in LABELLED), None for any other event."""
+    if " " in name or "::" in name or ".py(" in name or name.split(".")[-1] not in LABELLED:
+        return None
+    return f"[{name}]"
+
+
+def _stack_frame(e) -> str | None:
+    """The innermost repo frame of an op's recorded stack (`FunctionEvent.stack`, where a build records frames
+    there rather than as Python-function events)."""
+    for fr in getattr(e, "stack", None) or []:
+        src = _repo_frame(fr)
+        if src is not None:
+            return src
+    return None
+
+
 def _is_backward_node(e) -> bool:
     """An autograd node's event (MulBackward0, _SparseAttnBackward, ...) or the engine's evaluate_function around
     it (the same sequence number: it also holds the engine's gradient sums of the node's inputs)."""
@@ -154,27 +173,31 @@ def by_source(prof, top: int = 40) -> dict:
     on_device = any(getattr(e, "kernels", None) for e in evs)
 
     def walk(e):
-        """(phase, source) of event e. Source: the first repo frame on its parent chain, or, when a native backward
-        node comes first, that node's forward line. Phase: "bwd" when an autograd node or the engine is above e
-        (a Python backward's own line counts as bwd too)."""
-        src = near = None
+        """(phase, source) of event e. Source: the first repo frame on its parent chain (or in an op's recorded
+        stack), or, when a native backward node comes first, that node's forward source; else the innermost
+        `_label` module range above it ('[layers.1.attn]': the GPU build of torch 2.11 linked no Python frames
+        as parents of the ops, session 21). Phase: "bwd" when an autograd node or the engine is above e (a
+        Python backward's own line counts as bwd too)."""
+        src = near = label = None
         p = e
         while p is not None:
             node = _is_backward_node(p)
             if src is None:
-                src = _repo_frame(p.name)
+                src = _repo_frame(p.name) or _stack_frame(p)
                 if src is None and node:
                     return "bwd", fwd_src.get(p.sequence_nr, f"(no forward source) {p.name}")
+                if src is None and label is None:
+                    label = _module_label(p.name)
                 if src is None and near is None and not p.name.startswith("aten::") and ".py(" not in p.name:
                     near = p.name                          # e.g. torch::autograd::AccumulateGrad
             if node or p.name.startswith("autograd::engine") or "run_backward" in p.name:
-                return "bwd", src or f"(no repo frame) {near or e.name}"
+                return "bwd", src or label or f"(no repo frame) {near or e.name}"
             p = p.cpu_parent
-        return "fwd", src or f"(no repo frame) {near or e.name}"
+        return "fwd", src or label or f"(no repo frame) {near or e.name}"
 
     fwd_src: dict[int, str] = {}
     for e in evs:                                        # forward ops carry the sequence number of their node
-        if e.sequence_nr >= 0 and e.name.startswith("aten::") and e.sequence_nr not in fwd_src:
+        if e.sequence_nr >= 0 and not _is_backward_node(e) and e.sequence_nr not in fwd_src:
             ph, src = walk(e)
             if ph == "fwd" and not src.startswith("("):
                 fwd_src[e.sequence_nr] = src

@@ -301,3 +301,28 @@ def test_time_by_source_line_of_device_kernels():
                    ("bwd", "model/ffn.py(12): forward"): pytest.approx(0.3),
                    ("bwd", "kernels/sparse_attn/triton.py(450): backward"): pytest.approx(0.4),
                    ("bwd", "(no repo frame) torch::autograd::AccumulateGrad"): pytest.approx(0.05)}
+
+
+def test_time_by_source_falls_back_to_module_ranges_and_recorded_stacks():
+    """Where a build links no Python frames as the ops' parents (torch 2.11 on the H200 at c456743): an op takes the
+    innermost `_label` module range above it, its backward (a custom op's node, by sequence number) the same range;
+    an op with a recorded stack (`FunctionEvent.stack`) takes that stack's innermost repo frame."""
+    from torch.autograd import DeviceType
+
+    from dsv4.harness.train.profile_step import by_source
+
+    def ev(name, parent=None, seq=-1, kern=(), stack=None):
+        return SimpleNamespace(name=name, device_type=DeviceType.CPU, cpu_parent=parent, sequence_nr=seq,
+                               kernels=[SimpleNamespace(duration=d) for d in kern], self_cpu_time_total=1.0,
+                               stack=stack)
+    attn = ev("layers.1.attn", ev("layers.1.attn.indexer.compressor.unrelated_thing"))
+    fwd = ev("dsv4::sparse_attn_fwd", attn, seq=5)
+    node = ev("EagerBackward", ev("autograd::engine::evaluate_function: EagerBackward", seq=5), seq=5)
+    stacked = ev("aten::mm", None, kern=(70,), stack=["torch/nn/functional.py(10): linear",
+                                                      "/r/dsv4/model/moe.py(140): forward", "/r/dsv4/harness/x.py(1): f"])
+    evs = [attn, fwd, ev("Eager_sparse_attn_fwd", fwd, kern=(100,)), node, ev("_sparse_attn_bwd", node, kern=(300,)),
+           ev("aten::add", ev("record_param_comms"), kern=(30,)), stacked]
+    got = {(x["phase"], x["source"]): x["ms"] for x in by_source(SimpleNamespace(events=lambda: evs), 10)["rows"]}
+    assert got == {("fwd", "[layers.1.attn]"): pytest.approx(0.1), ("bwd", "[layers.1.attn]"): pytest.approx(0.3),
+                   ("fwd", "model/moe.py(140): forward"): pytest.approx(0.07),
+                   ("fwd", "(no repo frame) record_param_comms"): pytest.approx(0.03)}
