@@ -93,10 +93,24 @@ class Recipe:
     tokenizer: str | None = None    # tokenizer.json for sft_data (default: byte-level)
     init: str | None = None         # start from a checkpoint: HF / official dir or a dsv4 run (harness/train/loading.py)
     recompute: bool = False         # whole-block activation recompute (long sequences)
+    head_ce: str = "grad_in_forward"   # the heads' CE gradients (DSv4Model.set_head_ce): grad_in_forward (3 GEMMs a
+                                    # row block) | recompute (4; holds y instead of dy + an fp32 dW [V, d])
     # --- X1 low precision (issue 17): a precision recipe of model/lowp/recipe.py, applied after the model is built
     precision: str | None = None    # None (off) | bf16 | fp8_tensor | fp8_block | fp4_qat
     indexer_qk_precision: str | None = None   # overrides the precision recipe's: bf16 | fp8 | fp4
     indexer_qk_rerank: float | None = None    # overrides the recipe's re-rank margin (fp8 / fp4 picks re-ranked)
+
+
+RESUME_MAY_CHANGE = ("compile", "cuda_graphs", "head_ce")   # Recipe fields of the same math: a resume may change them
+
+
+def set_head_ce(model, recipe: Recipe) -> None:
+    """recipe.head_ce onto a DSv4Model (HEAD_CE; TrainError naming the field otherwise); other models: nothing."""
+    from dsv4.model.model import HEAD_CE
+    if recipe.head_ce not in HEAD_CE:
+        raise TrainError(f"train.head_ce: one of {', '.join(HEAD_CE)}, got {recipe.head_ce!r}")
+    if hasattr(model, "set_head_ce"):
+        model.set_head_ce(recipe.head_ce)
 
 
 def stored_recipe(r: dict) -> dict:
@@ -406,6 +420,7 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
     model = model.to(device, torch.float64) if recipe.dtype == "fp64" else model.to(device)
     if recipe.recompute:
         model.set_recompute(True)
+    set_head_ce(model, recipe)
     if recipe.precision is not None or recipe.indexer_qk_precision is not None or recipe.indexer_qk_rerank is not None:
         _apply_precision(model, recipe)
     if recipe.backend != "naive":
@@ -428,7 +443,7 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
     if resume:
         m_state, o_state, rng, meta = loaded
         def core(r):
-            return {k: v for k, v in r.items() if k not in ("steps", "save_interval", "compile", "cuda_graphs")}
+            return {k: v for k, v in r.items() if k not in ("steps", "save_interval") + RESUME_MAY_CHANGE}
         now = json.loads(json.dumps(asdict(recipe)))                        # tuples -> lists, as stored
         if meta["config_hash"] != cfg_hash or core(stored_recipe(meta["recipe"])) != core(now):
             raise TrainError(f"resume: checkpoint {resume!r} was made with another recipe/config")
@@ -667,6 +682,9 @@ def _cfg_dict(cfg, base_mtp) -> dict:
 @click.option("--mtp-weight-after-decay", type=float, default=None,
               help="MTP loss weight once the LR decays (DSv4: 0.3 -> 0.1)")
 @click.option("--recompute/--no-recompute", default=None, help="whole-block activation recompute")
+@click.option("--head-ce", type=click.Choice(["grad_in_forward", "recompute"]), default=None,
+              help="when the heads' cross-entropy gradients form (DSv4Model.set_head_ce): grad_in_forward (default; "
+              "3 GEMMs a row block) or recompute (4 GEMMs; no fp32 dW [V, d] held from the forward)")
 @click.option("--precision", default=None, help="X1 precision recipe (model/lowp/recipe.py): bf16 | fp8_tensor | "
               "fp8_block | fp4_qat")
 @click.option("--indexer-qk-precision", default=None, help="the indexer's QK scoring: bf16 | fp8 | fp4 "
@@ -692,7 +710,7 @@ def _cfg_dict(cfg, base_mtp) -> dict:
               "outside FSDP) instead of FP32 masters under autocast; needs --dp > 1, --pp 1, --dtype fp32")
 def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, final_checkpoint, overwrite, threads,
               backend, text, text_errors, packing, compile_, cuda_graphs, init, sft_data, tokenizer, curriculum,
-              lr_schedule, decay_start, mtp_weight_after_decay, recompute, precision, indexer_qk_precision,
+              lr_schedule, decay_start, mtp_weight_after_decay, recompute, head_ce, precision, indexer_qk_precision,
               indexer_qk_rerank, as_json, dp, pp, vpp, cp, ep, schedule, microbatches, timeout_s, optimizer, fsdp_bf16):
     """Train a DSv4 model on one device (debug: seconds on CPU; tiny: the CPU loss-curve golden), or under
     torchrun on a (pp, dp, cp, ep) mesh with --dp/--pp/--vpp/--cp/--ep."""
@@ -704,7 +722,7 @@ def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, fi
                                  sft_data=sft_data, tokenizer=tokenizer, curriculum=curriculum,
                                  lr_schedule=lr_schedule, decay_start=decay_start,
                                  mtp_weight_after_decay=mtp_weight_after_decay, recompute=recompute,
-                                 precision=precision, indexer_qk_precision=indexer_qk_precision,
+                                 head_ce=head_ce, precision=precision, indexer_qk_precision=indexer_qk_precision,
                                  indexer_qk_rerank=indexer_qk_rerank).items()
           if v is not None}
     try:

@@ -184,6 +184,21 @@ def test_text_corpus_option(tmp_path):
     assert run["data"]["tokens"] == len(f.read_text().encode()) and len(a["lm loss"]) == 2
 
 
+def test_head_ce_option_sets_the_model_and_may_change_on_resume(tmp_path, monkeypatch):
+    """--head-ce reaches DSv4Model.set_head_ce (default grad_in_forward); a resume may switch it (same math, like
+    --compile); an unknown mode is a usage error (exit 2) naming the option."""
+    from dsv4.model.model import DSv4Model
+    seen, orig = [], DSv4Model.set_head_ce
+    monkeypatch.setattr(DSv4Model, "set_head_ce", lambda self, m: (seen.append(m), orig(self, m))[1])
+    A, B = str(tmp_path / "A"), str(tmp_path / "B")
+    _run(["--recipe", "debug", "--steps", "2", "--save-interval", "1", "--out", A, "--json"])
+    _run(["--recipe", "debug", "--steps", "3", "--resume", A, "--out", B, "--head-ce", "recompute", "--json"])
+    assert seen == ["grad_in_forward", "recompute"]
+    r = CliRunner().invoke(train_cmd, ["--recipe", "debug", "--steps", "1", "--head-ce", "fused",
+                                       "--out", str(tmp_path / "C")])
+    assert r.exit_code == 2 and "--head-ce" in r.output
+
+
 def test_bad_input_exit_2(tmp_path):
     for args in (["--recipe", "debug", "--steps", "2", "--text", str(tmp_path / "missing.txt")],["--recipe", "debug", "--steps", "0"],
                  ["--recipe", "debug", "--steps", "3", "--resume", str(tmp_path / "none")],
