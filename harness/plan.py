@@ -155,7 +155,7 @@ def _stages(cfg: DSv4Config, pp: int) -> list[list[str]]:
 
 def plan(cfg: DSv4Config, tokens: int, batch: int = 1, recompute: bool = False, dtype: str = "bf16",
          optimizer: str = "muon", dp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, config_name: str = "",
-         m: dict | None = None, capacity: float = H200_BYTES) -> dict:
+         m: dict | None = None, capacity: float = H200_BYTES, head_ce: str = "grad_in_forward") -> dict:
     for name, v in (("tokens", tokens), ("batch", batch), ("dp", dp), ("pp", pp), ("cp", cp), ("ep", ep)):
         if v < 1:
             raise ConfigError(f"plan.{name}: must be >= 1, got {v}")
@@ -165,6 +165,8 @@ def plan(cfg: DSv4Config, tokens: int, batch: int = 1, recompute: bool = False, 
         raise ConfigError(f"plan.optimizer: muon|adamw|none, got {optimizer!r}")
     if dtype not in ("bf16", "fp32"):
         raise ConfigError(f"plan.dtype: bf16|fp32, got {dtype!r}")
+    if head_ce not in ("grad_in_forward", "recompute"):
+        raise ConfigError(f"plan.head_ce: grad_in_forward|recompute, got {head_ce!r}")
     S = tokens // batch
     if S % cp:
         raise ConfigError(f"plan.cp: sequence {S} is not a multiple of cp {cp}")
@@ -205,7 +207,10 @@ def plan(cfg: DSv4Config, tokens: int, batch: int = 1, recompute: bool = False, 
         head_ws = 0.0
         if "top" in labels and (pp == 1 or s == pp - 1):
             ce_rows = min(CE_CHUNK, T)
-            head_ws = ce_rows * cfg.vocab_size * (2 + 4 + 4) + cfg.vocab_size * cfg.hidden_size * 4
+            # one block's logits / softmax rows, and the fp32 dW [V, d]: recompute forms one in the first head's
+            # backward; grad_in_forward holds one a head (LM + MTP) from the forward to the backward (DSv4Model.head_ce)
+            n_dw = 1 + cfg.num_nextn_predict_layers if head_ce == "grad_in_forward" else 1
+            head_ws = ce_rows * cfg.vocab_size * (2 + 4 + 4) + n_dw * cfg.vocab_size * cfg.hidden_size * 4
         entry_ws = 0.0
         if any(cfg.layer_kind(int(l.split(".")[1]) if l.startswith("layers.") else cfg.num_hidden_layers) == "csa"
                for l in blocks):
@@ -223,7 +228,8 @@ def plan(cfg: DSv4Config, tokens: int, batch: int = 1, recompute: bool = False, 
     n_att = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
     cache = cache_elements_per_token(cfg) * tokens * elem + n_att * batch * (cfg.sliding_window + 1) * cfg.head_dim * elem
     comm = _comm(cfg, pb, rows, S, dp, pp, cp, ep, elem)
-    res = {"config": config_name, "tokens": tokens, "batch": batch, "seq": S, "recompute": recompute, "dtype": dtype,
+    res = {"config": config_name, "tokens": tokens, "batch": batch, "seq": S, "recompute": recompute,
+           "head_ce": head_ce, "dtype": dtype,
            "optimizer": optimizer, "dp": dp, "pp": pp, "cp": cp, "ep": ep,
            "peak_bytes": best["peak"], "peak_gib": best["peak"] / GIB,
            "breakdown_gib": {k: best[k] / GIB for k in ("parameters", "gradients", "optimizer", "activations",
@@ -313,6 +319,8 @@ def _fmt(res: dict) -> str:
 @click.option("--batch", type=int, default=1, show_default=True)
 @click.option("--recompute/--no-recompute", default=False, show_default=True)
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+@click.option("--head-ce", type=click.Choice(["grad_in_forward", "recompute"]), default="grad_in_forward",
+              show_default=True, help="the heads' CE gradients (DSv4Model.set_head_ce): the fp32 dW [V, d] each holds")
 @click.option("--optimizer", type=click.Choice(["muon", "adamw", "none"]), default="muon", show_default=True)
 @click.option("--dp", type=int, default=1)
 @click.option("--pp", type=int, default=1)
@@ -323,7 +331,7 @@ def _fmt(res: dict) -> str:
               help="PNG: the plan's terms at tokens/8 .. tokens (powers of two), the same settings otherwise")
 @click.option("--measure", is_flag=True, help="re-measure the saved tensors and store them under slices/X4/measured")
 @click.option("--json", "as_json", is_flag=True)
-def plan_cmd(config, overrides, tokens, seq, batch, recompute, dtype, optimizer, dp, pp, cp, ep, capacity_gib,
+def plan_cmd(config, overrides, tokens, seq, batch, recompute, dtype, head_ce, optimizer, dp, pp, cp, ep, capacity_gib,
              plot_path, measure, as_json):
     """Predicted peak memory per rank (parameters, gradients, optimizer, activations, workspace), FLOPs per step."""
     from dsv4.harness.train.flops import _load_config
@@ -346,10 +354,11 @@ def plan_cmd(config, overrides, tokens, seq, batch, recompute, dtype, optimizer,
         if measure:
             m = store_measurement(cfg)
         res = plan(cfg, tokens, batch, recompute, dtype, optimizer, dp, pp, cp, ep, name, m=m,
-                   capacity=capacity_gib * GIB)
+                   capacity=capacity_gib * GIB, head_ce=head_ce)
         if plot_path:
             kw = dict(batch=batch, recompute=recompute, dtype=dtype, optimizer=optimizer, dp=dp, pp=pp, cp=cp, ep=ep,
-                      config_name=name, m=m if m is not None else measurement(cfg), capacity=capacity_gib * GIB)
+                      config_name=name, m=m if m is not None else measurement(cfg), capacity=capacity_gib * GIB,
+                      head_ce=head_ce)
             ts = sorted({max(batch * cp, tokens >> i) for i in range(4)})
             res["plot"] = plot_plan(cfg, kw, ts, plot_path)
     except (ConfigError, ValueError, TypeError) as e:

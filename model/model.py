@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from dsv4.model.attention import ATTN_FWDS, OUT_ROPES, DSv4Attention
 from dsv4.model.block import Block
@@ -226,10 +227,12 @@ class DSv4Model(nn.Module):
     def set_head_ce(self, mode: str) -> "DSv4Model":
         """When the head cross-entropy (forward(..., return_logits=False)) forms its gradients:
         "grad_in_forward" (default: the forward contracts each block's dlogits at once, 3 GEMMs a block instead
-        of 4, dW [V, d] fp32 held until backward; 1.03-1.05x the step at 16K tokens on the H200, +0.25 GiB,
-        goldens/h200/D9/bench_train.json) | "recompute" (backward recomputes each row block's logits; holds y
-        instead of dy and dW: the lower-memory choice for a large V x d head); `HEAD_CE`, `_HeadCrossEntropy`.
-        Same loss; the gradients differ by roundings only (exactly where the loss's upstream gradient is 1)."""
+        of 4; each head (LM, MTP) holds an fp32 dW [V, d] from its forward to its backward, about one V*d*4 bytes
+        more at the peak than recompute: +0.25 GiB for `proxy`, ~2 GiB for `flash`, `dsv4 plan --head-ce`;
+        1.03-1.05x the step at 16K tokens on the H200, goldens/h200/D9/bench_train.json) | "recompute" (backward
+        recomputes each row block's logits: the lower-memory choice for a large V x d head). Only where the loss
+        goes through the blocked head CE (forward(..., return_logits=False): `dsv4 train`'s bf16 single-device
+        runs, the bench). `HEAD_CE`, `_HeadCrossEntropy`. Same loss; the gradients differ by roundings only."""
         if mode not in HEAD_CE:
             raise ValueError(f"set_head_ce: unknown mode {mode!r}; known: {', '.join(HEAD_CE)}")
         self.head_ce = mode
@@ -301,7 +304,7 @@ def run_block(ckpt: bool, block, aux: AuxLosses, *args):
     return y
 
 
-HEAD_CE = ("grad_in_forward", "recompute")      # DSv4Model.set_head_ce (default first): when its gradients form
+HEAD_CE = ("grad_in_forward", "recompute")      # DSv4Model.set_head_ce's modes, its default first
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
@@ -328,9 +331,10 @@ class _HeadCrossEntropy(torch.autograd.Function):
         lse = torch.empty(N, dtype=dt, device=y.device)
         total = torch.zeros((), dtype=dt, device=y.device)
         safe = torch.where(valid, labels, torch.zeros_like(labels))
-        if grad_in_forward:
-            dy = torch.empty_like(y)
-            dw = torch.zeros(weight.shape, dtype=dt, device=weight.device)
+        if grad_in_forward:                                                    # only the gradients asked for
+            need_dy, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            dy = torch.empty_like(y) if need_dy else None
+            dw = torch.zeros(weight.shape, dtype=dt, device=weight.device) if need_dw else None
             unit = valid.to(dt) / n if mean else valid.to(dt)                  # [N]: dLoss of each row at g = 1
         for a in range(0, N, chunk):
             rows = slice(a, a + chunk)
@@ -340,22 +344,27 @@ class _HeadCrossEntropy(torch.autograd.Function):
             lse[rows] = l
             if grad_in_forward:
                 gl = ce_dlogits(logits, l, safe[rows], unit[rows], backend=backend)   # dlogits [C, V]
-                dy[rows] = gl @ weight
-                dw += (gl.t() @ y[rows]).to(dt)
+                if need_dy:
+                    dy[rows] = gl @ weight
+                if need_dw:
+                    dw += (gl.t() @ y[rows]).to(dt)
         if grad_in_forward:
-            ctx.save_for_backward(dy, dw)
+            ctx.save_for_backward(dy, dw)                                      # None where not asked for
         else:
             ctx.save_for_backward(y, weight, safe, valid, lse, n)
         ctx.chunk, ctx.mean, ctx.backend = chunk, mean, backend
-        ctx.grad_in_forward, ctx.w_dtype = grad_in_forward, weight.dtype
+        ctx.grad_in_forward, ctx.w_dtype, ctx.acc_dtype = grad_in_forward, weight.dtype, dt
         return total / n if mean else total                                    # mean: nan if all are ignored
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         if ctx.grad_in_forward:
-            dy, dw = ctx.saved_tensors                                         # at g = 1; dw in fp32
-            g = g.to(dw.dtype)
-            return (dy.to(dw.dtype) * g).to(dy.dtype), (dw * g).to(ctx.w_dtype), None, None, None, None, None
+            dy, dw = ctx.saved_tensors                                         # at g = 1 (dw in fp32); None if unasked
+            g = g.to(ctx.acc_dtype)
+            gy = None if dy is None else (dy.to(g.dtype) * g).to(dy.dtype)
+            gw = None if dw is None else (dw * g).to(ctx.w_dtype)
+            return gy, gw, None, None, None, None, None
         y, weight, safe, valid, lse, n = ctx.saved_tensors
         dy = torch.empty_like(y)
         dt = lse.dtype

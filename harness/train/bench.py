@@ -232,30 +232,37 @@ def merge_results(old: list[dict], new: list[dict]) -> list[dict]:
     return out + [r for r in new if _key(r) in fresh]
 
 
+def _named(impl: str, sw: tuple) -> str:
+    """'ours[head_ce=recompute]': an impl with its non-default switch modes."""
+    return impl + "".join(f"[{f}={m}]" for f, m, d in zip(SWITCHES, sw, DEFAULTS) if m != d)
+
+
 def ratios(results: list[dict]) -> dict:
-    """tokens/s ratios at the same tokens and batch: each ours_* row over each HF peer, the PAIRS between rows of
-    the same switch modes, and each row of non-default switch modes (`--head-ce`, `--out-rope`) over the same
-    impl's default row. Keys `<a>_over_<b>@<tokens>`; a row of non-default modes is named `<a>[head_ce=<mode>]...`
-    (`/b<batch>` appended where the rows hold several batches at those tokens)."""
-    every = {_key(r): r["tokens_per_s"] for r in results if r.get("tokens_per_s")}
+    """tokens/s ratios between rows of one commit (git_sha) at the same tokens and batch: each ours_* row (any
+    switch modes) over each HF peer and over its PAIRS partner of the same modes, and each row of non-default modes
+    (`--head-ce`, `--out-rope`) over the same impl's row one switch nearer the default (each such switch). Keys
+    `<a>_over_<b>@<tokens>`, a row of non-default modes named `<a>[head_ce=<mode>]...` (`/b<batch>` appended
+    where the rows hold several batches at those tokens)."""
+    every, sha = {}, {}
+    for r in results:
+        if r.get("tokens_per_s"):
+            k = _key(r)
+            every[k], sha[k] = r["tokens_per_s"], r.get("git_sha")
     batches: dict[int, set] = {}
     for _, T, B, _ in every:
         batches.setdefault(T, set()).add(B)
     out = {}
-    for T in sorted(batches):
-        for B in sorted(batches[T]):
-            tag = f"@{T}" + (f"/b{B}" if len(batches[T]) > 1 else "")
-            for (a, T2, B2, sw), v in every.items():
-                if (T2, B2) != (T, B) or IMPLS.get(a, ("",))[0] != "ours":
-                    continue
-                name = a + "".join(f"[{f}={m}]" for f, m, d in zip(SWITCHES, sw, DEFAULTS) if m != d)
-                others = [(p, DEFAULTS, p) for p in PEERS] + [(q, sw, q + name[len(a):]) for x, q in PAIRS if x == a]
-                if sw != DEFAULTS:
-                    others.append((a, DEFAULTS, a))
-                for b, swb, bname in others:
-                    if (b, T, B, swb) in every:
-                        out[f"{name}_over_{bname}{tag}"] = v / every[(b, T, B, swb)]
-    return out
+    for (a, T, B, sw), v in every.items():
+        if IMPLS.get(a, ("",))[0] != "ours":
+            continue
+        tag = f"@{T}" + (f"/b{B}" if len(batches[T]) > 1 else "")
+        others = [(p, DEFAULTS) for p in PEERS] + [(q, sw) for x, q in PAIRS if x == a]
+        others += [(a, sw[:i] + (d,) + sw[i + 1:]) for i, (m, d) in enumerate(zip(sw, DEFAULTS)) if m != d]
+        for b, swb in others:
+            kb = (b, T, B, swb)
+            if kb in every and sha[kb] == sha[(a, T, B, sw)]:
+                out[f"{_named(a, sw)}_over_{_named(b, swb)}{tag}"] = v / every[kb]
+    return dict(sorted(out.items(), key=lambda kv: (int(kv[0].split("@")[1].split("/")[0]), kv[0])))
 
 
 def load_existing(path, config: str, platform: str) -> list[dict]:

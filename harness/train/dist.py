@@ -31,7 +31,8 @@ from dsv4.harness.train.data import GPTSamples, IndexedTokens, build_text_datase
 from dsv4.harness.train.flops import flops_per_token
 from dsv4.harness.train.optim import build_optimizer, lr_at
 from dsv4.harness.goldens import atomic_write_json
-from dsv4.harness.train.loop import Recipe, TrainError, _git_sha, config_hash, golden_values, set_head_ce, stored_recipe
+from dsv4.harness.train.loop import (RESUME_MAY_CHANGE, Recipe, TrainError, _git_sha, config_hash, golden_values,
+                                     stored_recipe)
 from dsv4.model.config import get_config
 from dsv4.model.parallel import ParallelPlan, build_mesh, init_distributed, parallelize, single
 from dsv4.model.parallel.parallelize import PlanError
@@ -106,7 +107,6 @@ def _loop(recipe, out, plan, seed, resume, device, world, rank, log, optimizer="
     model = DSv4Model(cfg).to(device)
     if recipe.backend != "naive":
         model.set_kernel_backend(recipe.backend)
-    set_head_ce(model, recipe)
     model.train()
     if world > 1:
         mesh = build_mesh(plan, device.type)                          # groups get --timeout too
@@ -124,7 +124,7 @@ def _loop(recipe, out, plan, seed, resume, device, world, rank, log, optimizer="
     if resume:
         meta = dcpk.load(resume, par.parts, opt)
         def core(r):
-            return {k: v for k, v in r.items() if k not in ("steps", "save_interval", "head_ce")}
+            return {k: v for k, v in r.items() if k not in ("steps", "save_interval") + RESUME_MAY_CHANGE}
         now = json.loads(json.dumps(asdict(recipe)))
         if meta["config_hash"] != config_hash(cfg) or core(stored_recipe(meta["recipe"])) != core(now):
             raise TrainError(f"resume: checkpoint {resume!r} was made with another recipe/config")

@@ -683,8 +683,9 @@ def _cfg_dict(cfg, base_mtp) -> dict:
               help="MTP loss weight once the LR decays (DSv4: 0.3 -> 0.1)")
 @click.option("--recompute/--no-recompute", default=None, help="whole-block activation recompute")
 @click.option("--head-ce", type=click.Choice(["grad_in_forward", "recompute"]), default=None,
-              help="when the heads' cross-entropy gradients form (DSv4Model.set_head_ce): grad_in_forward (default; "
-              "3 GEMMs a row block) or recompute (4 GEMMs; no fp32 dW [V, d] held from the forward)")
+              help="bf16 single-device runs: when the heads' cross-entropy gradients form (DSv4Model.set_head_ce): "
+              "grad_in_forward (default; 3 GEMMs a row block) or recompute (4 GEMMs; no fp32 dW [V, d] held from "
+              "the forward)")
 @click.option("--precision", default=None, help="X1 precision recipe (model/lowp/recipe.py): bf16 | fp8_tensor | "
               "fp8_block | fp4_qat")
 @click.option("--indexer-qk-precision", default=None, help="the indexer's QK scoring: bf16 | fp8 | fp4 "
@@ -737,6 +738,9 @@ def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, fi
         if sft_data or tokenizer:
             kw["sft"] = True
         r = Recipe(**{**asdict(r), **kw})
+        if head_ce is not None and r.dtype != "bf16":
+            raise TrainError("train.head_ce: only bf16 runs take the loss through the blocked head cross-entropy "
+                             f"(a {r.dtype} run forms full logits)")
         if r.curriculum and "steps" not in kw:
             from dsv4.harness.train.curriculum import get_curriculum, total_steps
             r = Recipe(**{**asdict(r), "steps": total_steps(get_curriculum(r.curriculum))})
@@ -746,6 +750,9 @@ def train_cmd(recipe, steps, out, resume, seed, device, dtype, save_interval, fi
             if r.precision is not None or r.indexer_qk_precision is not None or r.indexer_qk_rerank is not None:
                 raise TrainError("train.precision: the distributed loop does not apply precision recipes (one "
                                  "device only)")
+            if head_ce is not None:
+                raise TrainError("train.head_ce: the distributed loop forms full logits (no blocked head "
+                                 "cross-entropy)")
             from dsv4.harness.train.dist import train_distributed
             from dsv4.model.parallel import ParallelPlan
             par = {k: v for k, v in par.items() if v is not None}

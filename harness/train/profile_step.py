@@ -173,27 +173,27 @@ def by_source(prof, top: int = 40) -> dict:
     on_device = any(getattr(e, "kernels", None) for e in evs)
 
     def walk(e):
-        """(phase, source) of event e. Source: the first repo frame on its parent chain (or in an op's recorded
-        stack), or, when a native backward node comes first, that node's forward source; else the innermost
-        `_label` module range above it ('[layers.1.attn]': the GPU build of torch 2.11 linked no Python frames
-        as parents of the ops, session 21). Phase: "bwd" when an autograd node or the engine is above e (a
-        Python backward's own line counts as bwd too)."""
-        src = near = label = None
+        """(phase, source) of event e. Source: the first, walking up its parents, of a repo frame, a `_label`
+        module range ('[layers.1.attn]': the GPU build of torch 2.11 linked no Python frames as the ops' parents,
+        session 21) and an op's recorded stack's repo frame; or, when a native backward node comes first, that
+        node's forward source. Phase: "bwd" when an autograd node or the engine is above e (a Python backward's
+        own line counts as bwd too)."""
+        src = near = None
         p = e
         while p is not None:
             node = _is_backward_node(p)
             if src is None:
-                src = _repo_frame(p.name) or _stack_frame(p)
+                src = _repo_frame(p.name) or _module_label(p.name)         # the nearer of a line and a range
                 if src is None and node:
                     return "bwd", fwd_src.get(p.sequence_nr, f"(no forward source) {p.name}")
-                if src is None and label is None:
-                    label = _module_label(p.name)
+                if src is None:
+                    src = _stack_frame(p)                                  # a node's own stack is the engine's
                 if src is None and near is None and not p.name.startswith("aten::") and ".py(" not in p.name:
                     near = p.name                          # e.g. torch::autograd::AccumulateGrad
             if node or p.name.startswith("autograd::engine") or "run_backward" in p.name:
-                return "bwd", src or label or f"(no repo frame) {near or e.name}"
+                return "bwd", src or f"(no repo frame) {near or e.name}"
             p = p.cpu_parent
-        return "fwd", src or label or f"(no repo frame) {near or e.name}"
+        return "fwd", src or f"(no repo frame) {near or e.name}"
 
     fwd_src: dict[int, str] = {}
     for e in evs:                                        # forward ops carry the sequence number of their node

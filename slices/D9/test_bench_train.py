@@ -163,6 +163,13 @@ def test_append_merges_and_replaces_by_key(tmp_path, monkeypatch):
     doc = json.loads(out.read_text())
     assert [(x["impl"], x["tokens"], x["git_sha"][0]) for x in doc["results"]] == \
         [("hf_eager", 128, "0"), ("ours", 128, "a"), ("ours", 256, "b")]        # 256 replaced, nothing doubled
+    assert doc["ratios"] == {}                  # the HF row is of another commit ("0"): no ratio across commits
+    old["results"][0]["git_sha"] = "a" * 40
+    out.write_text(json.dumps(old))
+    monkeypatch.setenv("DSV4_GIT_SHA", "a" * 40)
+    r = CliRunner().invoke(bench_train_cmd, args + ["--tokens", "128"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
     ours128 = _rows(doc)[("ours", 128, 1)]["tokens_per_s"]
     assert doc["ratios"] == {"ours_over_hf_eager@128": pytest.approx(ours128 / 100.0)}
 
@@ -206,6 +213,8 @@ def test_rows_without_switch_fields_read_as_their_day_s_modes():
     cg = dict(impl="ours_cudagraph", tokens=64, batch=2, tokens_per_s=180.0)           # old: recompute
     assert bench.ratios(rows + [cg])["ours_cudagraph[head_ce=recompute]_over_ours[head_ce=recompute]@64"] == \
         pytest.approx(2.0)
+    other = [dict(r, git_sha="b") if r["impl"] == "hf_eager" else dict(r, git_sha="a") for r in rows]
+    assert bench.ratios(other) == {"ours[head_ce=recompute]_over_ours@64": pytest.approx(0.9)}   # one commit only
 
 
 def test_switch_modes_cross_into_rows_keyed_by_their_non_default_fields(tmp_path, monkeypatch):
@@ -220,7 +229,8 @@ def test_switch_modes_cross_into_rows_keyed_by_their_non_default_fields(tmp_path
                     ("recompute", "separate")}
     assert set(doc["ratios"]) == {"ours[out_rope=separate]_over_ours@128",
                                   "ours[head_ce=recompute]_over_ours@128",
-                                  "ours[head_ce=recompute][out_rope=separate]_over_ours@128"}
+                                  "ours[head_ce=recompute][out_rope=separate]_over_ours[out_rope=separate]@128",
+                                  "ours[head_ce=recompute][out_rope=separate]_over_ours[head_ce=recompute]@128"}
 
 
 @pytest.mark.parametrize("args,names", [
@@ -315,9 +325,11 @@ def test_time_by_source_falls_back_to_module_ranges_and_recorded_stacks():
         return SimpleNamespace(name=name, device_type=DeviceType.CPU, cpu_parent=parent, sequence_nr=seq,
                                kernels=[SimpleNamespace(duration=d) for d in kern], self_cpu_time_total=1.0,
                                stack=stack)
-    attn = ev("layers.1.attn", ev("layers.1.attn.indexer.compressor.unrelated_thing"))
+    attn = ev("layers.1.attn", ev("layers.1.attn.indexer.compressor.unrelated_thing",
+                                   ev("/r/dsv4/model/block.py(50): forward")))     # the nearer range wins
     fwd = ev("dsv4::sparse_attn_fwd", attn, seq=5)
-    node = ev("EagerBackward", ev("autograd::engine::evaluate_function: EagerBackward", seq=5), seq=5)
+    node = ev("EagerBackward", ev("autograd::engine::evaluate_function: EagerBackward", seq=5), seq=5,
+              stack=["/r/dsv4/harness/train/loop.py(538): _train"])    # the engine's stack: not the source
     stacked = ev("aten::mm", None, kern=(70,), stack=["torch/nn/functional.py(10): linear",
                                                       "/r/dsv4/model/moe.py(140): forward", "/r/dsv4/harness/x.py(1): f"])
     evs = [attn, fwd, ev("Eager_sparse_attn_fwd", fwd, kern=(100,)), node, ev("_sparse_attn_bwd", node, kern=(300,)),

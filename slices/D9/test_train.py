@@ -184,19 +184,25 @@ def test_text_corpus_option(tmp_path):
     assert run["data"]["tokens"] == len(f.read_text().encode()) and len(a["lm loss"]) == 2
 
 
-def test_head_ce_option_sets_the_model_and_may_change_on_resume(tmp_path, monkeypatch):
-    """--head-ce reaches DSv4Model.set_head_ce (default grad_in_forward); a resume may switch it (same math, like
-    --compile); an unknown mode is a usage error (exit 2) naming the option."""
-    from dsv4.model.model import DSv4Model
-    seen, orig = [], DSv4Model.set_head_ce
-    monkeypatch.setattr(DSv4Model, "set_head_ce", lambda self, m: (seen.append(m), orig(self, m))[1])
+def test_head_ce_option_reaches_the_head_loss_and_may_change_on_resume(tmp_path, monkeypatch):
+    """--head-ce (bf16 runs, whose loss goes through the blocked head CE): the mode head_cross_entropy receives
+    (default grad_in_forward); a resume may switch it (same math, like --compile); refused (exit 2, naming the
+    field) where it would do nothing: an fp32 run (full logits) and the distributed loop; an unknown mode is a
+    usage error naming the option."""
+    import dsv4.model.model as M
+    seen, orig = [], M.head_cross_entropy
+    monkeypatch.setattr(M, "head_cross_entropy", lambda *a, **k: (seen.append(k["grads"]), orig(*a, **k))[1])
     A, B = str(tmp_path / "A"), str(tmp_path / "B")
-    _run(["--recipe", "debug", "--steps", "2", "--save-interval", "1", "--out", A, "--json"])
-    _run(["--recipe", "debug", "--steps", "3", "--resume", A, "--out", B, "--head-ce", "recompute", "--json"])
-    assert seen == ["grad_in_forward", "recompute"]
-    r = CliRunner().invoke(train_cmd, ["--recipe", "debug", "--steps", "1", "--head-ce", "fused",
-                                       "--out", str(tmp_path / "C")])
-    assert r.exit_code == 2 and "--head-ce" in r.output
+    _run(["--recipe", "debug", "--steps", "2", "--dtype", "bf16", "--save-interval", "1", "--out", A, "--json"])
+    assert seen and set(seen) == {"grad_in_forward"}
+    seen.clear()
+    _run(["--recipe", "debug", "--steps", "3", "--dtype", "bf16", "--resume", A, "--out", B, "--head-ce", "recompute",
+          "--json"])
+    assert seen and set(seen) == {"recompute"}
+    for extra, field in ((["--head-ce", "fused"], "--head-ce"), (["--head-ce", "recompute"], "train.head_ce"),
+                         (["--head-ce", "recompute", "--dtype", "bf16", "--dp", "1"], "train.head_ce")):
+        r = CliRunner().invoke(train_cmd, ["--recipe", "debug", "--steps", "1", "--out", str(tmp_path / "C")] + extra)
+        assert r.exit_code == 2 and field in r.output, (extra, r.output)
 
 
 def test_bad_input_exit_2(tmp_path):

@@ -59,11 +59,20 @@ def test_plan_matches_h200_peaks():
     assert m["provenance"]["git_sha"] == sha, "the measurement and the H200 peaks come from different commits"
     assert len(pts) >= 2 and any(p[2] for p in pts), pts        # one plain and one recompute point at least
     for tokens, batch, rec, peak, src in pts:
-        r = plan(cfg, tokens, batch, rec, "bf16", "none", m=m)
+        r = plan(cfg, tokens, batch, rec, "bf16", "none", m=m, head_ce="recompute")   # measured before grad_in_forward
         rel = r["peak_bytes"] / peak - 1
         print(f"{src}: {tokens} tokens B={batch} recompute={rec}: plan {r['peak_gib']:.2f} GiB, "
               f"measured {peak / GIB:.2f} GiB ({100 * rel:+.1f}%)")
         assert abs(rel) <= TOL, (tokens, batch, rec, r["peak_gib"], peak / GIB)
+
+
+def test_grad_in_forward_holds_a_dw_per_head():
+    """The head CE's default (grad_in_forward) holds an fp32 dW [V, d] per head (LM + MTP) from the forward to the
+    backward; recompute forms one in the backward: the plans differ by exactly MTP-count x V x d x 4 bytes."""
+    cfg = get_config("proxy")
+    a, b = (plan(cfg, 4096, 2, False, "bf16", "none", head_ce=h) for h in ("grad_in_forward", "recompute"))
+    extra = cfg.num_nextn_predict_layers * cfg.vocab_size * cfg.hidden_size * 4
+    assert cfg.num_nextn_predict_layers >= 1 and a["peak_bytes"] - b["peak_bytes"] == pytest.approx(extra)
 
 
 def test_scaling_equals_a_second_measurement():
