@@ -51,6 +51,7 @@ import click
 
 from dsv4.harness.errors import report_bad_input
 from dsv4.model.config import ConfigError, DSv4Config, get_config
+from dsv4.model.model import HEAD_CE
 
 GIB = 2 ** 30
 H200_BYTES = 139 * GIB           # usable HBM of one H200 as `torch.cuda.mem_get_info` reports it (~139 GiB)
@@ -155,7 +156,7 @@ def _stages(cfg: DSv4Config, pp: int) -> list[list[str]]:
 
 def plan(cfg: DSv4Config, tokens: int, batch: int = 1, recompute: bool = False, dtype: str = "bf16",
          optimizer: str = "muon", dp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, config_name: str = "",
-         m: dict | None = None, capacity: float = H200_BYTES, head_ce: str = "grad_in_forward") -> dict:
+         m: dict | None = None, capacity: float = H200_BYTES, head_ce: str = HEAD_CE[0]) -> dict:
     for name, v in (("tokens", tokens), ("batch", batch), ("dp", dp), ("pp", pp), ("cp", cp), ("ep", ep)):
         if v < 1:
             raise ConfigError(f"plan.{name}: must be >= 1, got {v}")
@@ -165,8 +166,8 @@ def plan(cfg: DSv4Config, tokens: int, batch: int = 1, recompute: bool = False, 
         raise ConfigError(f"plan.optimizer: muon|adamw|none, got {optimizer!r}")
     if dtype not in ("bf16", "fp32"):
         raise ConfigError(f"plan.dtype: bf16|fp32, got {dtype!r}")
-    if head_ce not in ("grad_in_forward", "recompute"):
-        raise ConfigError(f"plan.head_ce: grad_in_forward|recompute, got {head_ce!r}")
+    if head_ce not in HEAD_CE:
+        raise ConfigError(f"plan.head_ce: {'|'.join(HEAD_CE)}, got {head_ce!r}")
     S = tokens // batch
     if S % cp:
         raise ConfigError(f"plan.cp: sequence {S} is not a multiple of cp {cp}")
@@ -319,7 +320,7 @@ def _fmt(res: dict) -> str:
 @click.option("--batch", type=int, default=1, show_default=True)
 @click.option("--recompute/--no-recompute", default=False, show_default=True)
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
-@click.option("--head-ce", type=click.Choice(["grad_in_forward", "recompute"]), default="grad_in_forward",
+@click.option("--head-ce", type=click.Choice(list(HEAD_CE)), default=HEAD_CE[0],
               show_default=True, help="the heads' CE gradients (DSv4Model.set_head_ce): the fp32 dW [V, d] each holds")
 @click.option("--optimizer", type=click.Choice(["muon", "adamw", "none"]), default="muon", show_default=True)
 @click.option("--dp", type=int, default=1)

@@ -47,6 +47,8 @@ OPS: dict[str, dict[str, str]] = {
     "hc_post": {"naive": "mhc.naive:hc_post", "triton": "mhc.op:hc_post"},
     "hc_head": {"naive": "mhc.naive:hc_head", "triton": "mhc.op:hc_head"},
     "clamped_swiglu": {"naive": "swiglu.naive:clamped_swiglu", "triton": "swiglu.op:clamped_swiglu"},
+    "clamped_swiglu_packed": {"naive": "swiglu.naive:clamped_swiglu_packed",
+                              "triton": "swiglu.op:clamped_swiglu_packed"},
     "fp8_quantize": {"naive": "quant.naive:fp8_quantize", "triton": "quant.op:fp8_quantize"},
     "rms_norm": {"naive": "rmsnorm.naive:rms_norm", "triton": "rmsnorm.op:rms_norm"},
     "rope_rows": {"naive": "rope.naive:rope_rows", "triton": "rope.op:rope_rows"},

@@ -84,6 +84,7 @@ def _cases():
     yield "hc_pre_fwd", (_r(N, n, d), _r((2 + n) * n, n * d), _r((2 + n) * n), _r(3), 3, 1e-6, 1e-6)
     yield "hc_post_fwd", (_r(N, n, d), _r(N, d), _r(N, n), _r(N, n, n))
     yield "clamped_swiglu_fwd", (_r(6, 8), _r(6, 8), 0.5)
+    yield "clamped_swiglu_packed_fwd", (_r(6, 2, 10), 0.5)
     yield "rms_norm_fwd", (_r(5, 24), _r(24), 1e-6)
     yield "rms_norm_fwd", (_r(2, 3, 16), None, 1e-6)
     ang = torch.rand(7, 4, device=DEV) * 9
@@ -136,6 +137,7 @@ def _eager_calls():
     return {"sparse_attn_fwd": sa._sparse_attn, "compress_pool_fwd": comp._compress_pool,
             "indexer_scores_fwd": idx._scores, "indexer_scores_listed_fwd": idx._scores_listed,
             "hc_pre_fwd": mhc._hc_pre, "hc_post_fwd": mhc._hc_post, "clamped_swiglu_fwd": sw._swiglu,
+            "clamped_swiglu_packed_fwd": sw._swiglu_packed,
             "rms_norm_fwd": rms._rms_norm, "rope_rows": rope._rope_rows, "moe_combine_fwd": moe._moe_combine,
             "norm_rope_fwd": nr._norm_rope}
 

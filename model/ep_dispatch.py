@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dsv4.kernels.swiglu import clamped_swiglu
+from dsv4.kernels.swiglu import clamped_swiglu_packed
 
 
 def _is_dtensor(t) -> bool:
@@ -154,8 +154,8 @@ def ep_experts_forward(experts, x: torch.Tensor, w: torch.Tensor, idx: torch.Ten
         if rows.numel() == 0:
             continue
         ge = e if sharded else rank * E_loc + e
-        gate, up = F.linear(recv_x[rows], w13[ge]).chunk(2, dim=-1)            # [c, f] each
-        h = clamped_swiglu(gate, up, experts.limit, backend=experts.backend)
+        gu = F.linear(recv_x[rows], w13[ge])                                   # [c, 2f]: gate | up
+        h = clamped_swiglu_packed(gu, experts.limit, backend=experts.backend)
         recv_y = recv_y.index_copy(0, rows, F.linear(h, w2[ge]).to(recv_y.dtype))
     back = all_to_all(recv_y, group)                                           # [ep*cap, d] results, my slots
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from dsv4.kernels import KernelUnavailable
 from dsv4.kernels.moe_combine import moe_combine
-from dsv4.kernels.swiglu import clamped_swiglu
+from dsv4.kernels.swiglu import clamped_swiglu, clamped_swiglu_packed
 from dsv4.model.precision import autocast_dtype
 from dsv4.model.recompute import recomputing
 
@@ -190,8 +190,8 @@ class Experts(nn.Module):
             offs = torch.cumsum(counts, 0).to(torch.int32)                     # [E] end of each group
             xs = _PermuteSlots.apply(x, tok, self.backend)                     # [T*K, d] = x[tok]
             xs = xs if adt is None else xs.to(adt)                             # cast after the gather
-            gate, up = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-            h = clamped_swiglu(gate, up, self.limit, backend=self.backend)     # [T*K, f]
+            gu = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)       # [T*K, 2f]: gate | up
+            h = clamped_swiglu_packed(gu, self.limit, backend=self.backend)    # [T*K, f]
             y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)          # [T*K, d]
             return moe_combine(y, wk, tok, x.shape[0], x.dtype, backend=self.backend)   # sum_k w_k y_k in fp32
         out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
@@ -199,8 +199,8 @@ class Experts(nn.Module):
             E = w13.shape[0]
             wt = torch.zeros(x.shape[0], E, dtype=w.dtype, device=x.device).scatter_add_(1, idx, w)   # [T, E]
             for e in range(E):
-                gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)                # [T, f] each
-                y = F.linear(clamped_swiglu(gate, up, self.limit, backend=self.backend), w2[e])
+                gu = F.linear(x, w13[e])                                       # [T, 2f]: gate | up
+                y = F.linear(clamped_swiglu_packed(gu, self.limit, backend=self.backend), w2[e])
                 out = out + y.to(out.dtype) * wt[:, e, None].to(out.dtype)
             return out.to(x.dtype)
         counts = expert_counts(idx, w13.shape[0]).tolist()
@@ -209,8 +209,8 @@ class Experts(nn.Module):
             if c == 0:
                 continue
             t = tok[start:start + c]
-            gate, up = F.linear(x[t], w13[e]).chunk(2, dim=-1)                 # [c, f] each
-            h = clamped_swiglu(gate, up, self.limit, backend=self.backend)
+            gu = F.linear(x[t], w13[e])                                        # [c, 2f]: gate | up
+            h = clamped_swiglu_packed(gu, self.limit, backend=self.backend)
             y = F.linear(h, w2[e])                                             # [c, d]
             out.index_add_(0, t, y.to(out.dtype) * wk[start:start + c, None].to(out.dtype))
             start += c

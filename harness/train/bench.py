@@ -252,7 +252,7 @@ def ratios(results: list[dict]) -> dict:
     for _, T, B, _ in every:
         batches.setdefault(T, set()).add(B)
     out = {}
-    for (a, T, B, sw), v in every.items():
+    for (a, T, B, sw), v in sorted(every.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         if IMPLS.get(a, ("",))[0] != "ours":
             continue
         tag = f"@{T}" + (f"/b{B}" if len(batches[T]) > 1 else "")
@@ -262,7 +262,7 @@ def ratios(results: list[dict]) -> dict:
             kb = (b, T, B, swb)
             if kb in every and sha[kb] == sha[(a, T, B, sw)]:
                 out[f"{_named(a, sw)}_over_{_named(b, swb)}{tag}"] = v / every[kb]
-    return dict(sorted(out.items(), key=lambda kv: (int(kv[0].split("@")[1].split("/")[0]), kv[0])))
+    return out
 
 
 def load_existing(path, config: str, platform: str) -> list[dict]:

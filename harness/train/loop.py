@@ -53,6 +53,7 @@ from dsv4.harness.train.flops import flops_per_token
 from dsv4.harness.train.optim import build_optimizer, lr_at
 from dsv4.model.config import ConfigError, DSv4Config, get_config
 from dsv4.model.interop.common import load_checked
+from dsv4.model.model import HEAD_CE
 
 # Metrics written to golden_values.json: Megatron's exported set plus "indexer loss" -- the ones the harness's
 # threshold table (harness/thresholds.py) judges. Everything else (grad-norm, moe aux loss, tokens/s, TFLOP/s,
@@ -93,7 +94,7 @@ class Recipe:
     tokenizer: str | None = None    # tokenizer.json for sft_data (default: byte-level)
     init: str | None = None         # start from a checkpoint: HF / official dir or a dsv4 run (harness/train/loading.py)
     recompute: bool = False         # whole-block activation recompute (long sequences)
-    head_ce: str = "grad_in_forward"   # the heads' CE gradients (DSv4Model.set_head_ce): grad_in_forward (3 GEMMs a
+    head_ce: str = HEAD_CE[0]       # the heads' CE gradients (DSv4Model.set_head_ce): grad_in_forward (3 GEMMs a
                                     # row block) | recompute (4; holds y instead of dy + an fp32 dW [V, d])
     # --- X1 low precision (issue 17): a precision recipe of model/lowp/recipe.py, applied after the model is built
     precision: str | None = None    # None (off) | bf16 | fp8_tensor | fp8_block | fp4_qat
@@ -106,7 +107,6 @@ RESUME_MAY_CHANGE = ("compile", "cuda_graphs", "head_ce")   # Recipe fields of t
 
 def set_head_ce(model, recipe: Recipe) -> None:
     """recipe.head_ce onto a DSv4Model (HEAD_CE; TrainError naming the field otherwise); other models: nothing."""
-    from dsv4.model.model import HEAD_CE
     if recipe.head_ce not in HEAD_CE:
         raise TrainError(f"train.head_ce: one of {', '.join(HEAD_CE)}, got {recipe.head_ce!r}")
     if hasattr(model, "set_head_ce"):
@@ -682,7 +682,7 @@ def _cfg_dict(cfg, base_mtp) -> dict:
 @click.option("--mtp-weight-after-decay", type=float, default=None,
               help="MTP loss weight once the LR decays (DSv4: 0.3 -> 0.1)")
 @click.option("--recompute/--no-recompute", default=None, help="whole-block activation recompute")
-@click.option("--head-ce", type=click.Choice(["grad_in_forward", "recompute"]), default=None,
+@click.option("--head-ce", type=click.Choice(list(HEAD_CE)), default=None,
               help="bf16 single-device runs: when the heads' cross-entropy gradients form (DSv4Model.set_head_ce): "
               "grad_in_forward (default; 3 GEMMs a row block) or recompute (4 GEMMs; no fp32 dW [V, d] held from "
               "the forward)")

@@ -223,6 +223,101 @@ def by_source(prof, top: int = 40) -> dict:
                      for (ph, src), (us, ops) in ranked]}
 
 
+_NO_DATA = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "view", "_unsafe_view",
+            "reshape", "t", "transpose", "as_strided", "detach", "unsqueeze", "squeeze", "expand", "permute", "select",
+            "slice", "alias", "split", "split_with_sizes", "unbind", "lift_fresh", "_local_scalar_dense", "unfold",
+            "is_same_size", "_to_copy_meta", "sym_size", "sym_stride", "sym_numel", "diagonal", "narrow", "chunk",
+            "view_as_real", "view_as_complex", "_reshape_alias", "set_", "resize_", "record_stream"}
+_GEMM = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "_grouped_mm", "linear", "matmul", "_scaled_mm",
+         "_scaled_grouped_mm", "convolution"}
+_GLUE = ("profile_step.py", "bench.py", "kernels/_custom_op.py", "kernels/__init__.py")   # dispatch, not sources
+_COPY = {"copy_", "_to_copy", "clone", "contiguous", "to", "_copy_from", "_copy_from_and_resize"}
+
+
+def _op_kind(func, name: str) -> str:
+    if func.namespace == "dsv4":
+        return "kernel"
+    return "gemm" if name in _GEMM else "copy" if name in _COPY else "other"
+
+
+def traffic(step, top: int = 40) -> dict:
+    """The bytes one call of `step` moves in aten ops (no profiler; any device, CPU included), by the line of
+    model/ / kernels/ / harness/ that issued them: {"unit": "bytes", "total", "by_kind", "rows": [{"phase",
+    "source", "kind", "op", "calls", "bytes"}]}. An op's bytes are its tensor inputs' and outputs' (each storage
+    once; views and allocations move nothing and are skipped); "kind" is gemm / copy (dtype casts, clones,
+    contiguous) / other (elementwise, reductions, indexing) / kernel (a dsv4:: custom op: its arguments and
+    results). Our kernels' own launches inside eager autograd Functions are not aten ops and do not appear: this
+    counts the traffic around them. Backward ops take the forward line of their autograd node (the
+    node's forward stack, recorded by anomaly mode without its NaN checks, then "[<node>]"), or, inside a Python
+    backward (our autograd Functions), that code's own line; phase "bwd". At a GPU's ~3 TB/s a
+    GB of "copy" / "other" is about 0.33 ms: the elementwise share of a step, where it comes from, before any
+    device time is spent on it."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    mine = _MINE
+    rows: dict[tuple, list] = {}
+
+    def src_of(frames) -> str | None:
+        for f in reversed(frames):
+            name, line, fn = (f.filename, f.lineno, f.name) if hasattr(f, "filename") else f
+            if any(m in name for m in mine) and not name.endswith(_GLUE):
+                at = max(name.rfind(m) for m in mine)
+                return f"{name[at:]}:{line} {fn}"
+        return None
+
+    def nbytes(ts) -> int:
+        seen, n = set(), 0
+        for t in ts:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                key = (t.untyped_storage().data_ptr(), t.data_ptr(), t.numel())
+                if key not in seen:
+                    seen.add(key)
+                    n += t.numel() * t.element_size()
+        return n
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = func.__name__.split(".")[0]
+            if name in _NO_DATA:
+                return out
+            flat_in = torch.utils._pytree.tree_leaves((args, kwargs))
+            flat_out = torch.utils._pytree.tree_leaves(out)
+            here = src_of(traceback.extract_stack()[:-1])
+            node = torch._C._current_autograd_node()
+            if node is not None:                       # a Python backward's own line, else the node's forward line
+                tb = (node.metadata or {}).get("traceback_")
+                fwd = src_of(_parse_tb(tb)) if tb else None
+                src, phase = here or f"{fwd or '(no forward stack)'} [{node.name()}]", "bwd"
+            else:
+                src, phase = here or "(no repo frame)", "fwd"
+            r = rows.setdefault((phase, src, _op_kind(func, name), name), [0, 0])
+            r[0] += 1
+            r[1] += nbytes(flat_in) + (0 if name.endswith("_") else nbytes(flat_out))
+            return out
+
+    with torch.autograd.detect_anomaly(check_nan=False), _Count():
+        step()
+    total = sum(b for _, b in rows.values())
+    kinds: dict[str, int] = {}
+    for (_, _, k, _), (_, b) in rows.items():
+        kinds[k] = kinds.get(k, 0) + b
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"unit": "bytes", "total": total, "by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "rows": [{"phase": ph, "source": src, "kind": k, "op": op, "calls": c, "bytes": b}
+                     for (ph, src, k, op), (c, b) in ranked]}
+
+
+def _parse_tb(tb) -> list[tuple]:
+    """[(file, line, function)] of an anomaly-mode forward traceback (a list of formatted lines, or one string)."""
+    import re
+    text = "".join(tb) if isinstance(tb, (list, tuple)) else str(tb)
+    return [(m.group(1), int(m.group(2)), m.group(3))
+            for m in re.finditer(r'File "([^"]+)", line (\d+), in (\S+)', text)]
+
+
 def sync_sites(step, device, top: int = 20) -> dict | None:
     """{"per_step", "sites": [{"where", "count"}]}: the synchronising CUDA calls of one call of `step`
     (torch.cuda.set_sync_debug_mode("warn"); a warning each), by the innermost stack frame under this repo's

@@ -20,3 +20,12 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) ->
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
     return F.silu(gate) * up
+
+
+def clamped_swiglu_packed(gu: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """clamped_swiglu of the halves of gu [..., 2f]: gate = gu[..., :f], up = gu[..., f:] (the expert GEMM's
+    output; Megatron's bias_swiglu layout)."""
+    if gu.dim() == 0 or gu.shape[-1] % 2:
+        raise ValueError(f"clamped_swiglu_packed: last dim must be even (gate | up), got {tuple(gu.shape)}")
+    gate, up = gu.chunk(2, dim=-1)
+    return clamped_swiglu(gate, up, limit)

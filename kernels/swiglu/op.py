@@ -1,6 +1,7 @@
-"""`dsv4::clamped_swiglu_fwd` / `dsv4::clamped_swiglu_bwd`: the fused Triton clamped SwiGLU as torch custom ops
-(opaque to torch.compile; fake implementations for shapes). The bodies run `triton._ClampedSwiGLU`'s forward /
-backward with a plain ctx record (`FnCtx`), so the numerics are those of the autograd.Function."""
+"""`dsv4::clamped_swiglu_fwd` / `_bwd` and `dsv4::clamped_swiglu_packed_fwd` / `_bwd`: the fused Triton clamped
+SwiGLU as torch custom ops (opaque to torch.compile; fake implementations for shapes). The bodies run the launch
+code of `triton.py` (`swiglu_fwd` / `swiglu_bwd` through its autograd.Functions' forward with a plain ctx record,
+`FnCtx`), so the numerics are those of the autograd.Functions."""
 from typing import Optional
 
 import torch
@@ -27,7 +28,7 @@ def _(gate, up, limit):
 def _clamped_swiglu_bwd(dy: Tensor, gate: Tensor, up: Tensor, limit: Optional[float]) -> tuple[Tensor, Tensor]:
     ctx = FnCtx()                                      # what _ClampedSwiGLU.forward leaves
     ctx.save_for_backward(gate.contiguous(), up.contiguous())
-    ctx.cfg = (limit is not None, float(limit) if limit is not None else 0.0)
+    ctx.limit = limit
     dg, du, _ = T._ClampedSwiGLU.backward(ctx, dy)
     return dg, du
 
@@ -55,8 +56,58 @@ def _backward(ctx, dy):
 _swiglu = autograd_op(clamped_swiglu_fwd, _clamped_swiglu_fwd, _setup, _backward)
 
 
+def _clamped_swiglu_packed_fwd(gu: Tensor, limit: Optional[float]) -> Tensor:
+    return T._ClampedSwiGLUPacked.forward(FnCtx(), gu, limit)
+
+
+clamped_swiglu_packed_fwd = torch.library.custom_op("dsv4::clamped_swiglu_packed_fwd",
+                                                    mutates_args=())(_clamped_swiglu_packed_fwd)
+
+
+@clamped_swiglu_packed_fwd.register_fake
+def _(gu, limit):
+    return gu.new_empty(*gu.shape[:-1], gu.shape[-1] // 2)
+
+
+def _clamped_swiglu_packed_bwd(dy: Tensor, gu: Tensor, limit: Optional[float]) -> Tensor:
+    ctx = FnCtx()                                      # what _ClampedSwiGLUPacked.forward leaves
+    ctx.save_for_backward(gu)
+    ctx.limit = limit
+    return T._ClampedSwiGLUPacked.backward(ctx, dy)[0]
+
+
+clamped_swiglu_packed_bwd = torch.library.custom_op("dsv4::clamped_swiglu_packed_bwd",
+                                                    mutates_args=())(_clamped_swiglu_packed_bwd)
+
+
+@clamped_swiglu_packed_bwd.register_fake
+def _(dy, gu, limit):
+    return gu.new_empty(gu.shape)
+
+
+def _setup_packed(ctx, inputs, output):
+    gu, limit = inputs
+    ctx.save_for_backward(gu)
+    ctx.limit = limit
+
+
+def _backward_packed(ctx, dy):
+    gu, = ctx.saved_tensors
+    return backward_op(ctx, clamped_swiglu_packed_bwd, _clamped_swiglu_packed_bwd)(dy, gu, ctx.limit), None
+
+
+_swiglu_packed = autograd_op(clamped_swiglu_packed_fwd, _clamped_swiglu_packed_fwd, _setup_packed, _backward_packed)
+
+
 def clamped_swiglu(gate: Tensor, up: Tensor, limit: Optional[float]) -> Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit); any shape (gate and up alike), Triton custom op."""
     if gate.shape != up.shape:
         raise ValueError(f"clamped_swiglu: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
     return _swiglu(gate, up, None if limit is None else float(limit))
+
+
+def clamped_swiglu_packed(gu: Tensor, limit: Optional[float]) -> Tensor:
+    """clamped_swiglu of the halves of gu [..., 2f] (gate | up), read in place; Triton custom op."""
+    if gu.dim() == 0 or gu.shape[-1] % 2:
+        raise ValueError(f"clamped_swiglu_packed: last dim must be even (gate | up), got {tuple(gu.shape)}")
+    return _swiglu_packed(gu, None if limit is None else float(limit))
