@@ -307,6 +307,11 @@ def run_block(ckpt: bool, block, aux: AuxLosses, *args):
 HEAD_CE = ("grad_in_forward", "recompute")      # DSv4Model.set_head_ce's modes, its default first
 
 
+def _accumulate(acc: torch.Tensor | None, part: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """acc + part in dt, the first part taken as it is (no zero-filled [V, d] and no add for the first block)."""
+    return part.to(dt) if acc is None else acc.add_(part)
+
+
 class _HeadCrossEntropy(torch.autograd.Function):
     """mean over non-ignored rows of CE(y @ W^T, labels), the logits formed in W's dtype and upcast to fp32 as
     `F.cross_entropy(head(y).float(), labels)` does, over blocks of `chunk` rows, never holding [N, V]. The rows'
@@ -334,7 +339,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
         if grad_in_forward:                                                    # only the gradients asked for
             need_dy, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
             dy = torch.empty_like(y) if need_dy else None
-            dw = torch.zeros(weight.shape, dtype=dt, device=weight.device) if need_dw else None
+            dw = None                                                          # [V, d] in dt once a block is in
             unit = valid.to(dt) / n if mean else valid.to(dt)                  # [N]: dLoss of each row at g = 1
         for a in range(0, N, chunk):
             rows = slice(a, a + chunk)
@@ -345,10 +350,12 @@ class _HeadCrossEntropy(torch.autograd.Function):
             if grad_in_forward:
                 gl = ce_dlogits(logits, l, safe[rows], unit[rows], backend=backend)   # dlogits [C, V]
                 if need_dy:
-                    dy[rows] = gl @ weight
+                    torch.mm(gl, weight, out=dy[rows])                         # into dy's rows, no copy
                 if need_dw:
-                    dw += (gl.t() @ y[rows]).to(dt)
+                    dw = _accumulate(dw, gl.t() @ y[rows], dt)
         if grad_in_forward:
+            if need_dw and dw is None:                                         # no rows
+                dw = torch.zeros(weight.shape, dtype=dt, device=weight.device)
             ctx.save_for_backward(dy, dw)                                      # None where not asked for
         else:
             ctx.save_for_backward(y, weight, safe, valid, lse, n)
@@ -361,20 +368,22 @@ class _HeadCrossEntropy(torch.autograd.Function):
     def backward(ctx, g):
         if ctx.grad_in_forward:
             dy, dw = ctx.saved_tensors                                         # at g = 1 (dw in fp32); None if unasked
-            g = g.to(ctx.acc_dtype)
-            gy = None if dy is None else (dy.to(g.dtype) * g).to(dy.dtype)
-            gw = None if dw is None else (dw * g).to(ctx.w_dtype)
+            g = g.to(ctx.acc_dtype).reshape(1)       # [1], not 0-d: the product is formed in g's dtype (type promotion)
+            gy = None if dy is None else torch.mul(dy, g, out=torch.empty_like(dy))        # one pass, stored in dy's
+            gw = None if dw is None else torch.mul(dw, g, out=torch.empty_like(dw, dtype=ctx.w_dtype))   # dtypes
             return gy, gw, None, None, None, None, None
         y, weight, safe, valid, lse, n = ctx.saved_tensors
         dy = torch.empty_like(y)
         dt = lse.dtype
-        dw = torch.zeros(weight.shape, dtype=dt, device=weight.device)
+        dw = None
         scale = valid.to(dt) * (g.to(dt) / n if ctx.mean else g.to(dt))       # [N]: dLoss of each row, 0 if ignored
         for a in range(0, y.shape[0], ctx.chunk):
             yc, rows = y[a:a + ctx.chunk], slice(a, a + ctx.chunk)
             gl = ce_dlogits(F.linear(yc, weight), lse[rows], safe[rows], scale[rows], backend=ctx.backend)
-            dy[rows] = gl @ weight                                             # gl: dlogits [C, V], logits' dtype
-            dw += (gl.t() @ yc).to(dt)
+            torch.mm(gl, weight, out=dy[rows])                                 # gl: dlogits [C, V], logits' dtype
+            dw = _accumulate(dw, gl.t() @ yc, dt)
+        if dw is None:                                                         # no rows
+            dw = torch.zeros(weight.shape, dtype=dt, device=weight.device)
         return dy, dw.to(weight.dtype), None, None, None, None, None
 
 

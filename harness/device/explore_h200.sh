@@ -2,15 +2,15 @@
 # Issue 13 / 14 exploration on one H200 in ONE call (run from the repo root; no internet, nothing installed):
 #   1. `sparse_bwd_keymajor.py ab`: the key-major CSA-picks backward prototype vs the kernel as it is, H 16, 16K
 #      (every pruned config, gradients checked against the kernel as it is),
-#   2. `profile_step --by-source` of the proxy step at 16K tokens (B=2): the step's kernel time by the model /
-#      kernels line that issued it, forward and backward apart (where the ~70 ms of bandwidth-bound kernels come from),
-#   3. the GPU tests of session 19's kernel changes (kernels/norm_rope, the MoE slot permutation's backward in
-#      kernels/moe_combine, the head cross-entropy's grad_in_forward in kernels/cross_entropy, the listed-scores
-#      backward's [N, queries, nI] S in kernels/indexer), cut at NEW_TIMEOUT,
+#   2. `profile_step --by-source --traffic` of the proxy step at 16K tokens (B=2): the step's kernel time by the
+#      model / kernels line that issued it, forward and backward apart, and the aten ops' bytes by line,
+#   3. the GPU tests of session 22's changes (kernels/swiglu: the packed gate | up at the expert GEMM's shape;
+#      kernels/cross_entropy: the head CE's one-pass scaling in fp32, the first block's dW taken as it is; the
+#      custom ops' opchecks), cut at NEW_TIMEOUT,
 #   4. the sparse-attention GPU tests, cut at TEST_TIMEOUT (the file takes more than 150 s on a
 #      cold cache); the default limits, 180 + 220 + 80 + 100 s, fit one 600-s call.
 # Everything lands in $OUT: env.txt, keymajor.log + sparse_bwd_keymajor.json, profile.log + profile_16384.txt +
-# profile_16384_sources.json, pytest_new.log, pytest_sparse_attn.log, summary.txt. Knobs: SKIP=<step numbers>, KM_TIMEOUT,
+# profile_16384_sources.json, traffic_16384.json, pytest_new.log, pytest_sparse_attn.log, summary.txt. Knobs: SKIP=<step numbers>, KM_TIMEOUT,
 # PROF_TIMEOUT, NEW_TIMEOUT, TEST_TIMEOUT, TOKENS (profile), DSV4_GIT_SHA.
 # Example: run(command="DSV4_GIT_SHA=<sha> bash harness/device/explore_h200.sh", timeout_s=600)
 set -u
@@ -28,10 +28,9 @@ step() { local n=$1 name=$2 t=$3; shift 3; case " ${SKIP:-} " in *" $n "*) retur
          local s=$(date +%s); timeout "$t" bash -c "$*" > "$OUT/$name.log" 2>&1
          echo "$name rc=$? $(( $(date +%s) - s ))s" | tee -a "$OUT/summary.txt"; }
 step 1 keymajor "${KM_TIMEOUT:-180}" "python3 harness/device/sparse_bwd_keymajor.py ab"
-step 2 profile "${PROF_TIMEOUT:-220}" "python3 -m dsv4.harness.train.profile_step --tokens ${TOKENS:-16384} --batch 2 --by-source --out $OUT"
-step 3 pytest_new "${NEW_TIMEOUT:-80}" "python3 -m pytest -q -p no:cacheprovider kernels/norm_rope kernels/moe_combine \
-  kernels/cross_entropy/test_cross_entropy.py 'kernels/indexer/test_indexer.py::test_listed_scores_bf16_matches_naive_on_gpu' \
-  'slices/X1/test_indexer_rerank.py::test_gpu_fp8_rerank_at_the_bench_shapes' 'kernels/mhc/test_mhc.py::test_hc_head_matches_naive'"
+step 2 profile "${PROF_TIMEOUT:-220}" "python3 -m dsv4.harness.train.profile_step --tokens ${TOKENS:-16384} --batch 2 --by-source --traffic --out $OUT"
+step 3 pytest_new "${NEW_TIMEOUT:-80}" "python3 -m pytest -q -p no:cacheprovider kernels/swiglu \
+  kernels/cross_entropy/test_cross_entropy.py 'kernels/test_custom_ops.py::test_opcheck_every_triton_custom_op'"
 step 4 pytest_sparse_attn "${TEST_TIMEOUT:-100}" "python3 -m pytest -q -p no:cacheprovider kernels/sparse_attn/test_sparse_attn.py"
 python3 - "$OUT/sparse_bwd_keymajor.json" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys

@@ -14,6 +14,10 @@ by torch.cuda.set_sync_debug_mode in one more step, each attributed to the inner
 issued it, forward and backward apart (a native backward op takes its forward op's line); the command's `--by-source`
 writes it to DIR/profile_<T>_sources.json.
 
+`traffic(step)`: the bytes one step's aten ops read and write, by source line (no profiler: a dispatch mode; any
+device); the command's `--traffic` writes DIR/traffic_<T>.json. The elementwise / copy bytes around the kernels,
+where they come from, at ~3 TB/s on an H200.
+
 The command writes DIR/profile_<T>.txt: key_averages sorted by CUDA time (self and total), with record_function
 ranges around each block's attention / FFN / mHC and the heads (forward only; backward kernels are listed by
 name), plus step time and peak memory. Not a benchmark: timings under the profiler carry its overhead.
@@ -243,8 +247,9 @@ def _op_kind(func, name: str) -> str:
 def traffic(step, top: int = 40) -> dict:
     """The bytes one call of `step` moves in aten ops (no profiler; any device, CPU included), by the line of
     model/ / kernels/ / harness/ that issued them: {"unit": "bytes", "total", "by_kind", "rows": [{"phase",
-    "source", "kind", "op", "calls", "bytes"}]}. An op's bytes are its tensor inputs' and outputs' (each storage
-    once; views and allocations move nothing and are skipped); "kind" is gemm / copy (dtype casts, clones,
+    "source", "kind", "op", "calls", "bytes"}]}. An op's bytes are those it reads (its tensor arguments but `out=`,
+    each once) and writes (its results; an in-place op's self is read and written); views and allocations move
+    nothing and are skipped; "kind" is gemm / copy (dtype casts, clones,
     contiguous) / other (elementwise, reductions, indexing) / kernel (a dsv4:: custom op: its arguments and
     results). Our kernels' own launches inside eager autograd Functions are not aten ops and do not appear: this
     counts the traffic around them. Backward ops take the forward line of their autograd node (the
@@ -283,8 +288,8 @@ def traffic(step, top: int = 40) -> dict:
             name = func.__name__.split(".")[0]
             if name in _NO_DATA:
                 return out
-            flat_in = torch.utils._pytree.tree_leaves((args, kwargs))
-            flat_out = torch.utils._pytree.tree_leaves(out)
+            flat_in = torch.utils._pytree.tree_leaves((args, {k: v for k, v in kwargs.items() if k != "out"}))
+            flat_out = torch.utils._pytree.tree_leaves(out)             # out= / in-place: the written tensor
             here = src_of(traceback.extract_stack()[:-1])
             node = torch._C._current_autograd_node()
             if node is not None:                       # a Python backward's own line, else the node's forward line
@@ -295,11 +300,14 @@ def traffic(step, top: int = 40) -> dict:
                 src, phase = here or "(no repo frame)", "fwd"
             r = rows.setdefault((phase, src, _op_kind(func, name), name), [0, 0])
             r[0] += 1
-            r[1] += nbytes(flat_in) + (0 if name.endswith("_") else nbytes(flat_out))
+            r[1] += nbytes(flat_in) + nbytes(flat_out)                  # read + written (in place: self both)
             return out
 
-    with torch.autograd.detect_anomaly(check_nan=False), _Count():
-        step()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Anomaly Detection has been enabled")
+        with torch.autograd.detect_anomaly(check_nan=False), _Count():
+            step()
     total = sum(b for _, b in rows.values())
     kinds: dict[str, int] = {}
     for (_, _, k, _), (_, b) in rows.items():
@@ -373,6 +381,8 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--by-source", action="store_true",
                     help="also profile one step with Python frames and write profile_<T>_sources.json (by_source)")
+    ap.add_argument("--traffic", action="store_true",
+                    help="also count one step's aten bytes by source line and write traffic_<T>.json (traffic)")
     args = ap.parse_args(argv)
     from dsv4.harness.train.bench import build_ours, lm_inputs, make_step, time_step_fn
     from dsv4.model.config import get_config
@@ -404,6 +414,15 @@ def main(argv=None):
             for r in src["rows"][:25]:
                 print(f"{r['ms']:8.2f} ms {r['share']:6.1%} {r['phase']} {r['source'][:90]}  {list(r['ops'])[:3]}",
                       flush=True)
+        if args.traffic:
+            from dsv4.harness.goldens import atomic_write_text
+            tr = traffic(step, 80)
+            atomic_write_text(Path(args.out) / f"traffic_{T}.json", json.dumps(tr, indent=1))
+            print(f"traffic {tr['total'] / 1e9:.2f} GB: " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in
+                                                                     tr["by_kind"].items()), flush=True)
+            for r in tr["rows"][:25]:
+                print(f"{r['bytes'] / 1e9:8.3f} GB {r['calls']:4d} {r['phase']} {r['kind']:6s} {r['op'][:20]:20s} "
+                      f"{r['source'][:80]}", flush=True)
         del model, prof, step
         torch.cuda.empty_cache()
 

@@ -338,3 +338,36 @@ def test_time_by_source_falls_back_to_module_ranges_and_recorded_stacks():
     assert got == {("fwd", "[layers.1.attn]"): pytest.approx(0.1), ("bwd", "[layers.1.attn]"): pytest.approx(0.3),
                    ("fwd", "model/moe.py(140): forward"): pytest.approx(0.07),
                    ("fwd", "(no repo frame) record_param_comms"): pytest.approx(0.03)}
+
+
+def test_traffic_counts_bytes_by_source_line():
+    """`traffic` on a step of known ops (the naive clamped SwiGLU, fp32 [10, 8], no limit): forward silu reads and
+    writes one [10, 8] (640 B), the product reads two and writes one (960 B), both on the naive file's line;
+    the backward's ops carry that line with their autograd node; the `out=` buffer is counted as written, not
+    read; a cast is kind "copy"; views move nothing."""
+    from dsv4.harness.train.profile_step import traffic
+    from dsv4.kernels.swiglu import naive
+    g = torch.randn(10, 8, requires_grad=True)
+    u = torch.randn(10, 8, requires_grad=True)
+
+    def step():
+        y = naive.clamped_swiglu(g, u, None)
+        y.view(80).sum().backward()
+        torch.mul(g.detach(), 2.0, out=torch.empty(10, 8, dtype=torch.bfloat16))   # read 320, written 160
+        u.detach().to(torch.bfloat16)                                               # a cast: the same bytes
+
+    r = traffic(step, 100)
+    rows = {(x["phase"], x["op"], x["source"].split(" ")[0].rsplit(":", 1)[0]): x for x in r["rows"]}
+    line = "kernels/swiglu/naive.py"
+    assert rows[("fwd", "silu", line)]["bytes"] == 640 and rows[("fwd", "silu", line)]["kind"] == "other"
+    assert rows[("fwd", "mul", line)]["bytes"] == 960
+    bwd = [x for x in r["rows"] if x["phase"] == "bwd"]
+    assert any(x["source"].startswith(line) and "[MulBackward0]" in x["source"] for x in bwd), bwd
+    assert any("[SiluBackward0]" in x["source"] for x in bwd), bwd
+    own = [x for x in r["rows"] if x["phase"] == "fwd" and x["op"] == "mul" and x["source"] == "(no repo frame)"]
+    assert [x["bytes"] for x in own] == [480]
+    cast = [x for x in r["rows"] if x["op"] == "_to_copy"]
+    assert [(x["kind"], x["bytes"]) for x in cast] == [("copy", 480)]
+    assert not any(x["op"] in ("view", "empty") for x in r["rows"])
+    assert r["total"] == sum(x["bytes"] for x in r["rows"]) and set(r["by_kind"]) <= {"gemm", "copy", "other",
+                                                                                       "kernel"}
