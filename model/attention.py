@@ -49,6 +49,7 @@ from .indexer import Indexer, candidates_from_idx, indexer_kl_loss, indexer_teac
 from .layout import Layout
 from .losses import AuxLosses
 from .norm import RMSNorm
+from .precision import autocast_operands
 from .rope import RotaryTable, rope_table_name
 
 
@@ -56,6 +57,44 @@ from .rope import RotaryTable, rope_table_name
 ATTN_FWDS = {"triton": "triton", "flashmla": "triton+flashmla", "flashmla+cudnn": "triton+flashmla+cudnn"}
 # DSv4Attention.out_rope (DSv4Model.set_out_rope): where o's inverse RoPE (spec §5.4) runs
 OUT_ROPES = ("fused", "separate")
+
+
+class _GroupedOutProj(torch.autograd.Function):
+    """z[t, k] = o[t, k] @ w[k]^T for each of the g groups (spec §5.5's block-diagonal wo_a; Megatron's BatchedLinear,
+    #7971): one GEMM a group on the strided group slices, written into z's / do's group columns in place, so no
+    [T, g, i] permuted copy forms either way (einsum's bmm needs the group-major layout and copies)."""
+
+    @staticmethod
+    def forward(ctx, o, w):
+        T, g, i = o.shape                                                       # o [T, g, i], w [g, r, i]
+        z = o.new_empty(T, g, w.shape[1])                                       # [T, g, r]
+        for k in range(g):
+            torch.mm(o[:, k], w[k].t(), out=z[:, k])                            # [T, i] @ [i, r], row stride g*r
+        ctx.save_for_backward(o, w)
+        return z
+
+    @staticmethod
+    def backward(ctx, dz):
+        o, w = ctx.saved_tensors
+        g = o.shape[1]
+        do = torch.empty_like(o) if ctx.needs_input_grad[0] else None          # [T, g, i]
+        dw = torch.empty_like(w) if ctx.needs_input_grad[1] else None          # [g, r, i]
+        for k in range(g):
+            if do is not None:
+                torch.mm(dz[:, k], w[k], out=do[:, k])                          # [T, r] @ [r, i]
+            if dw is not None:
+                torch.mm(dz[:, k].t(), o[:, k], out=dw[k])                      # [r, T] @ [T, i]
+        return do, dw
+
+
+def grouped_out_proj(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """o [T, g, i], w [g, r, i] (wo_a's weight viewed per group) -> z [T, g, r], z[:, k] = o[:, k] @ w[k]^T; computed
+    in the autocast dtype under autocast, as the einsum it replaces (which torch.compile traces instead: the same
+    product, its layout left to inductor)."""
+    if torch.compiler.is_compiling():                  # dynamo takes no strided out=; inductor plans the layout
+        return torch.einsum("tgi,gri->tgr", o, w)
+    o, w = autocast_operands(o, w)
+    return _GroupedOutProj.apply(o, w)
 
 
 def attention_halo(cfg: DSv4Config, layer_idx: int) -> int:
@@ -204,8 +243,7 @@ class DSv4Attention(nn.Module):
         if not fused:
             o = self.rope(o, rq, inverse=True)                                  # rotate back by query position
         o = o.reshape(T, g, H * c // g)                                         # group i = heads i*H/g..
-        wo_a = self.wo_a.weight.view(g, -1, H * c // g)                         # [g, d_g, H*c/g]
-        z = torch.einsum("tgi,gri->tgr", o, wo_a)                               # [T, g, d_g]
+        z = grouped_out_proj(o, self.wo_a.weight.view(g, -1, H * c // g))      # [T, g, d_g]
         return self.wo_b(z.flatten(1)).view(B, S, -1)                           # [T, d] -> [B, S, d]
 
     def forward_megatron(self, hidden_states: torch.Tensor, packed_seq_params=None, aux: AuxLosses | None = None,

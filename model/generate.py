@@ -39,6 +39,7 @@ from dsv4.kernels.compressor import compress_pool
 from dsv4.kernels.indexer import indexer_scores, indexer_topk
 from dsv4.kernels.sparse_attn import sparse_attn
 
+from .attention import grouped_out_proj
 from .mhc import expand_streams, hc_head
 from .moe import MoE
 
@@ -257,7 +258,7 @@ def attention_step(attn, h: torch.Tensor, lc: LayerCache, rows, backend: str | N
         lc.ring[b, kpos[-keep:] % R] = kv[tok[-keep:]]
     # --- inverse RoPE and grouped low-rank output (DSv4Attention.forward)
     o = attn.rope(o, pos_all, inverse=True).reshape(B * n, g, H * c // g)
-    z = torch.einsum("tgi,gri->tgr", o, attn.wo_a.weight.view(g, -1, H * c // g))
+    z = grouped_out_proj(o, attn.wo_a.weight.view(g, -1, H * c // g))        # [B*n, g, d_g]
     return attn.wo_b(z.flatten(1)).view(B, n, -1)
 
 

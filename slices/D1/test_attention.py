@@ -271,3 +271,22 @@ def test_bf16_runs_close_to_fp32(kind):
     y = attn16(h.to(torch.bfloat16).requires_grad_(), aux=aux)
     (y.float().square().mean() + sum(l for l, _ in aux.indexer)).backward()
     assert all(torch.isfinite(p.grad.float()).all() for p in attn16.parameters() if p.grad is not None)
+
+
+def test_grouped_out_proj_against_a_loop_oracle_and_gradcheck():
+    """The grouped output projection (spec §5.5, Megatron's BatchedLinear): z[t, k] = o[t, k] @ w[k]^T, written
+    here as a loop over tokens and groups in fp64; its gradients by fp64 gradcheck; the autocast dtype under
+    autocast (the einsum it replaced computed there in bf16); no gradient for an input that needs none."""
+    from dsv4.model.attention import grouped_out_proj
+    g = torch.Generator().manual_seed(0)
+    o = torch.randn(7, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    ref = torch.stack([torch.stack([w[k] @ o[t, k] for k in range(3)]) for t in range(7)])   # [T, g, r]
+    torch.testing.assert_close(grouped_out_proj(o, w), ref, rtol=0, atol=1e-14)   # 5-term sums, fp64 order only
+    assert torch.autograd.gradcheck(grouped_out_proj, (o, w))
+    dz = torch.randn(7, 3, 4, generator=g, dtype=torch.float64)
+    (do,) = torch.autograd.grad(grouped_out_proj(o, w.detach()), o, dz)
+    torch.testing.assert_close(do, torch.einsum("tgr,gri->tgi", dz, w.detach()), rtol=0, atol=1e-14)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        zb = grouped_out_proj(o.float(), w.float())
+    assert zb.dtype == torch.bfloat16
