@@ -44,6 +44,7 @@ OPS: dict[str, dict[str, str]] = {
     "indexer_topk": {"naive": "indexer.naive:indexer_topk", "triton": "indexer.op:indexer_topk"},
     "sinkhorn": {"naive": "mhc.naive:sinkhorn", "triton": "mhc.naive:sinkhorn"},
     "hc_pre": {"naive": "mhc.naive:hc_pre", "triton": "mhc.op:hc_pre"},
+    "hc_pre_residual": {"naive": "mhc.naive:hc_pre_residual", "triton": "mhc.op:hc_pre_residual"},
     "hc_post": {"naive": "mhc.naive:hc_post", "triton": "mhc.op:hc_post"},
     "hc_head": {"naive": "mhc.naive:hc_head", "triton": "mhc.op:hc_head"},
     "clamped_swiglu": {"naive": "swiglu.naive:clamped_swiglu", "triton": "swiglu.op:clamped_swiglu"},

@@ -6,6 +6,9 @@
 Official names: `attn`, `ffn`, `attn_norm`, `ffn_norm`, `hc_attn_{fn,base,scale}`, `hc_ffn_{fn,base,scale}`.
 The FFN is an MoE (`E`, spec §9) or a dense SwiGLU MLP (`-`, HybridModel patterns; width cfg.dense_ffn_size).
 
+hc_post reads X through hc_pre's `Xr` (the same tensor; on the Triton backend its gradient is added to hc_pre's
+inside hc_pre's backward kernel instead of by the autograd engine in a pass of its own).
+
 With `recompute_mhc = True` (Megatron `recompute_modules=["mhc"]`, slice ext_4531) hc_pre's outputs
 (u, post, comb) are not kept between forward and backward: they are discarded after hc_post consumed them and
 recomputed from X when the gradient reaches the sublayer's output streams.
@@ -49,8 +52,8 @@ class Block(nn.Module):
             Xn = hc_post(X, f(norm(u)), post, comb, self.backend)
             ckpt.discard_output_and_register_recompute(Xn)
             return Xn
-        u, post, comb = self._pre(X, fn, base, scale)
-        return hc_post(X, f(norm(u)), post, comb, self.backend)
+        u, post, comb, Xr = hc_pre(X, fn, base, scale, self.cfg, self.backend, residual=True)   # Xr: X (a view)
+        return hc_post(Xr, f(norm(u)), post, comb, self.backend)
 
     def forward(self, X: torch.Tensor, input_ids: torch.Tensor, layout=None, aux=None):
         """X [B, S, n, d], input_ids [B, S] (hash routing), layout (model/layout.py; default: B documents of S

@@ -42,12 +42,16 @@ def expand_streams(e: torch.Tensor, n: int) -> torch.Tensor:
     return e.unsqueeze(2).expand(-1, -1, n, -1).contiguous()
 
 
-def hc_pre(X: torch.Tensor, fn, base, scale, cfg, backend: str = "naive"):
-    """X [B, S, n, d] -> (u [B, S, d] in X's dtype, post [B, S, n] fp32, comb [B, S, n, n] fp32)."""
+def hc_pre(X: torch.Tensor, fn, base, scale, cfg, backend: str = "naive", residual: bool = False):
+    """X [B, S, n, d] -> (u [B, S, d] in X's dtype, post [B, S, n] fp32, comb [B, S, n, n] fp32); residual=True
+    appends Xr [B, S, n, d], X for hc_post's residual input (kernels/mhc `hc_pre_residual`: on the Triton backend
+    X's two gradients are summed inside hc_pre's backward kernel)."""
     B, S, n, d = X.shape
-    u, post, comb = mhc_ops.hc_pre(X.reshape(B * S, n, d), fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps,
-                                   cfg.rms_norm_eps, backend=backend)
-    return u.view(B, S, d), post.view(B, S, n), comb.view(B, S, n, n)
+    args = (X.reshape(B * S, n, d), fn, base, scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+    out = mhc_ops.hc_pre_residual(*args, backend=backend) if residual else mhc_ops.hc_pre(*args, backend=backend)
+    u, post, comb = out[:3]
+    res = (u.view(B, S, d), post.view(B, S, n), comb.view(B, S, n, n))
+    return res + (out[3].view(B, S, n, d),) if residual else res
 
 
 def hc_post(X: torch.Tensor, out: torch.Tensor, post, comb, backend: str = "naive") -> torch.Tensor:

@@ -6,7 +6,7 @@
 #      model / kernels line that issued it, forward and backward apart, and the aten ops' bytes by line,
 #   3. the GPU tests of session 22's changes (kernels/swiglu: the packed gate | up at the expert GEMM's shape;
 #      kernels/cross_entropy: the head CE's one-pass scaling in fp32, the first block's dW taken as it is; the
-#      custom ops' opchecks), cut at NEW_TIMEOUT,
+#      custom ops' opchecks; kernels/mhc: hc_pre's backward kernel adding the residual gradient), cut at NEW_TIMEOUT,
 #   4. the sparse-attention GPU tests, cut at TEST_TIMEOUT (the file takes more than 150 s on a
 #      cold cache); the default limits, 180 + 220 + 80 + 100 s, fit one 600-s call.
 # Everything lands in $OUT: env.txt, keymajor.log + sparse_bwd_keymajor.json, profile.log + profile_16384.txt +
@@ -30,7 +30,8 @@ step() { local n=$1 name=$2 t=$3; shift 3; case " ${SKIP:-} " in *" $n "*) retur
 step 1 keymajor "${KM_TIMEOUT:-180}" "python3 harness/device/sparse_bwd_keymajor.py ab"
 step 2 profile "${PROF_TIMEOUT:-220}" "python3 -m dsv4.harness.train.profile_step --tokens ${TOKENS:-16384} --batch 2 --by-source --traffic --out $OUT"
 step 3 pytest_new "${NEW_TIMEOUT:-80}" "python3 -m pytest -q -p no:cacheprovider kernels/swiglu \
-  kernels/cross_entropy/test_cross_entropy.py 'kernels/test_custom_ops.py::test_opcheck_every_triton_custom_op'"
+  kernels/cross_entropy/test_cross_entropy.py 'kernels/test_custom_ops.py::test_opcheck_every_triton_custom_op'; \
+  python3 -m pytest -q -p no:cacheprovider kernels/mhc/test_mhc.py -k 'residual or pre_bwd_dx'"
 step 4 pytest_sparse_attn "${TEST_TIMEOUT:-100}" "python3 -m pytest -q -p no:cacheprovider kernels/sparse_attn/test_sparse_attn.py"
 python3 - "$OUT/sparse_bwd_keymajor.json" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
@@ -43,4 +44,4 @@ best = min(ok, key=lambda r: r["ms"]) if ok else None
 print(f"as is {d['as_is_ms']:.3f} ms, window part {d['window_only_ms']:.3f} ms; best key-major "
       f"{best['ms']:.3f} ms {best['config']} within bounds {best['within_bounds']}" if best else "no key-major row")
 PY
-for f in pytest_new pytest_sparse_attn; do tail -1 "$OUT/$f.log" 2>/dev/null | tee -a "$OUT/summary.txt"; done
+for f in pytest_new pytest_sparse_attn; do grep -E "[0-9]+ (passed|failed)" "$OUT/$f.log" 2>/dev/null | tee -a "$OUT/summary.txt"; done

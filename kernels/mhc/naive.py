@@ -70,6 +70,14 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     return u.to(x.dtype), post, comb
 
 
+def hc_pre_residual(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                    eps: float, norm_eps: float):
+    """hc_pre and x itself for hc_post's residual input (autograd sums x's two gradients). hc_pre runs on a view of
+    x of its own, so its internal uses of x are summed first and the residual's gradient added last: the same
+    order, bit for bit, as when hc_pre and hc_post each took x."""
+    return (*hc_pre(x.view_as(x), fn, base, scale, iters, eps, norm_eps), x)
+
+
 @_fp32_region
 def hc_post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New streams X'[k] = post[k] * out + sum_j comb[j, k] X[j]; [N, n, d] in x's dtype (fp32 math)."""

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from dsv4.kernels._custom_op import autograd_op, backward_op
+from dsv4.kernels._custom_op import autograd_op, backward_op, traced
 from dsv4.kernels._triton_util import FnCtx
 from dsv4.kernels.mhc import triton as T
 
@@ -39,12 +39,12 @@ def _(x, fn, base, scale, iters, eps, norm_eps):
 
 def _hc_pre_bwd(du: Optional[Tensor], dpost: Optional[Tensor], dcomb: Optional[Tensor], x: Tensor, fn: Tensor,
                 base: Tensor, scale: Tensor, mix: Tensor, rinv: Tensor, pre: Tensor, fn3: Tensor, iters: int,
-                eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                eps: float, dres: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     ctx = FnCtx()                                      # what _HcPre.forward leaves
     ctx.save_for_backward(x.contiguous(), fn.float().contiguous(), base.float().contiguous(),
                           scale.float().contiguous(), mix, rinv, pre, fn3)
     ctx.cfg = (int(iters), float(eps), fn.dtype, base.dtype, scale.dtype)
-    dx, dfn, dbase, dscale, _, _, _ = T._HcPre.backward(ctx, du, dpost, dcomb)
+    dx, dfn, dbase, dscale, _, _, _ = T._HcPre.backward(ctx, du, dpost, dcomb, dres)
     return dx, dfn, dbase, dscale
 
 
@@ -52,7 +52,7 @@ hc_pre_bwd = torch.library.custom_op("dsv4::hc_pre_bwd", mutates_args=())(_hc_pr
 
 
 @hc_pre_bwd.register_fake
-def _(du, dpost, dcomb, x, fn, base, scale, mix, rinv, pre, fn3, iters, eps):
+def _(du, dpost, dcomb, x, fn, base, scale, mix, rinv, pre, fn3, iters, eps, dres=None):
     return x.new_empty(x.shape), fn.new_empty(fn.shape), base.new_empty(base.shape), scale.new_empty(scale.shape)
 
 
@@ -79,6 +79,40 @@ def hc_pre(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: 
         raise ValueError(f"hc_pre: fn shape {tuple(fn.shape)} != ((2+n)n, n*d) = {((2 + n) * n, n * d)}")
     u, post, comb, *_ = _hc_pre(x, fn, base, scale, int(iters), float(eps), float(norm_eps))
     return u, post, comb
+
+
+class _HcPreResidual(torch.autograd.Function):
+    """Eager hc_pre that also returns xr, a view of x for hc_post's residual input (`hc_pre_residual`): xr's
+    gradient arrives in this backward with hc_pre's own, and `_pre_bwd_dx` adds it into dx before its store, so the
+    autograd engine does not sum x's two [N, n, d] gradients in a pass of its own (reads 2, writes 1)."""
+
+    @staticmethod
+    def forward(ctx, x, fn, base, scale, iters, eps, norm_eps):
+        out = _hc_pre_fwd(x, fn, base, scale, iters, eps, norm_eps)
+        _pre_setup(ctx, (x, fn, base, scale, iters, eps, norm_eps), out)
+        ctx.mark_non_differentiable(*out[3:])                  # mix, rinv, pre, fn3: the backward's, not outputs
+        ctx.set_materialize_grads(False)                       # no zero-filled gradient for an unused output
+        return (*out, x.view_as(x))
+
+    @staticmethod
+    def backward(ctx, du, dpost, dcomb, _mix, _rinv, _pre, _fn3, dres):
+        x, fn, base, scale, mix, rinv, pre, fn3 = ctx.saved_tensors
+        dx, dfn, dbase, dscale = _hc_pre_bwd(du, dpost, dcomb, x, fn, base, scale, mix, rinv, pre, fn3, *ctx.cfg,
+                                             dres)
+        return dx, dfn, dbase, dscale, None, None, None
+
+
+def hc_pre_residual(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: float, norm_eps: float):
+    """hc_pre -> (u, post, comb, xr): xr is x for hc_post's residual input. Eager: a view of x whose gradient
+    `_pre_bwd_dx` adds into dx (`_HcPreResidual`); traced by torch.compile: x itself (the custom op cannot return
+    an alias of its input; the compiled graph sums the two gradients)."""
+    if traced((x, fn, base, scale)):
+        return (*hc_pre(x, fn, base, scale, iters, eps, norm_eps), x)
+    N, n, d = x.shape
+    if tuple(fn.shape) != ((2 + n) * n, n * d):
+        raise ValueError(f"hc_pre: fn shape {tuple(fn.shape)} != ((2+n)n, n*d) = {((2 + n) * n, n * d)}")
+    u, post, comb, *_, xr = _HcPreResidual.apply(x, fn, base, scale, int(iters), float(eps), float(norm_eps))
+    return u, post, comb, xr
 
 
 def hc_head(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, eps: float, norm_eps: float) -> Tensor:

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
-from dsv4.kernels.mhc import hc_head, hc_post, hc_pre  # noqa: E402
+from dsv4.kernels.mhc import hc_head, hc_post, hc_pre, hc_pre_residual  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 F32, BF16 = torch.float32, torch.bfloat16
@@ -86,6 +86,45 @@ def test_hc_head_matches_naive(N, n, d, dt):
         check(name, a, b)
     with pytest.raises(ValueError, match="hc_head: fn"):
         hc_head(x, fn[:, 1:], base, scale, 1e-6, 1e-6, backend="triton")
+
+
+@pytest.mark.parametrize("N,n,d,dt", [(13, 4, 20, F32), (37, 3, 24, F32), (37, 4, 24, BF16)] + (REAL if CUDA else []))
+def test_hc_pre_residual_adds_the_residual_gradient_in_the_kernel(N, n, d, dt):
+    """A sublayer's X feeds hc_pre and, through hc_pre_residual's xr, hc_post's residual input: on the Triton backend
+    xr is a view of x and its gradient is added into dx by `_pre_bwd_dx`. Against the naive backend (x used twice,
+    autograd sums the two gradients) at the tolerances of the hc_pre test (bf16: 2e-2 for every gradient, measured
+    3.4e-3 for dfn on this host); against the Triton hc_pre with x used
+    twice, fp32: equal to 1 fp32 rounding of the sum (the kernel adds in fp32 before its store, the engine adds two
+    stored fp32 tensors: measured bit-equal on this host). A dropped or doubled residual gradient fails both."""
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    check = _tols(dt)
+    x = torch.randn(N, n, d, generator=gen, device=DEV).to(dt).requires_grad_()
+    fn = (torch.randn((2 + n) * n, n * d, generator=gen, device=DEV) * (n * d) ** -0.5 * 3).requires_grad_()
+    base = torch.randn((2 + n) * n, generator=gen, device=DEV).requires_grad_()
+    scale = (torch.rand(3, generator=gen, device=DEV) + 0.5).requires_grad_()
+    out = torch.randn(N, d, generator=gen, device=DEV).to(dt)
+    dy = torch.randn(N, n, d, generator=gen, device=DEV).to(dt)
+
+    def sublayer(backend, residual):
+        if residual:
+            u, post, comb, xr = hc_pre_residual(x, fn, base, scale, 20, 1e-6, 1e-6, backend=backend)
+            assert xr.data_ptr() == x.data_ptr() and xr.shape == x.shape
+        else:
+            (u, post, comb), xr = hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6, backend=backend), x
+        y = hc_post(xr, out * u, post, comb, backend=backend)        # u reaches y too (the sublayer stands in)
+        return torch.autograd.grad(y, (x, fn, base, scale), dy)
+
+    got, naive, twice = sublayer("triton", True), sublayer("naive", False), sublayer("triton", False)
+    for name, a, b in zip(("dx", "dfn", "dbase", "dscale"), got, naive):
+        if dt == F32:
+            check(name, a, b)
+        else:       # bf16: du = out * dout carries each backend's bf16 roundings into dfn / dbase / dscale too
+            assert_rel(name, a, b, 2e-2)
+    if dt == F32:
+        assert_close("dx vs x used twice", got[0], twice[0], 1e-6, 1e-6)
+        for name, a, b in zip(("dfn", "dbase", "dscale"), got[1:], twice[1:]):
+            assert torch.equal(a, b), name
+    assert naive[0].data_ptr() != x.data_ptr()
 
 
 @pytest.mark.parametrize("N,n,d,dt", CASES + (REAL if CUDA else []))
@@ -170,7 +209,8 @@ def test_pre_bwd_dx_every_config_bf16_pieces():
     not measured). dx = dh·fn + cx·x + pre·du in bf16 (dh1·f1 + dh1·f2 + dh2·f1): relative error 1.66e-3 emulated
     with round-to-nearest stores (the bf16 rounding itself, any piece count), GPU tolerance 2.5e-3; the interpreter
     truncates in its fp32 -> bf16 casts: measured 3.3e-3, CPU tolerance 5e-3. GPU only: the share of dx elements
-    that differ from the fp64 value rounded to bf16, emulated 0.03% (dh1·f1 alone: 6.4%), tolerance 0.5%."""
+    that differ from the fp64 value rounded to bf16, emulated 0.03% (dh1·f1 alone: 6.4%), tolerance 0.5%. Every
+    other config also adds a residual gradient (HAS_RES, `hc_pre_residual`), in the reference too."""
     from dsv4.kernels.mhc import triton as T
     N, n, d = SHAPE
     gen = torch.Generator(device=DEV).manual_seed(6)
@@ -187,16 +227,19 @@ def test_pre_bwd_dx_every_config_bf16_pieces():
     dx64 = dh.double()[:, :R] @ fn.double() + cx.double()[:, None] * x64 + \
         (pre.double()[:, :, None] * du.double()[:, None, :]).reshape(N, K)
     dfn64 = x64.t() @ dh.double()[:, :R]
+    dres = torch.randn(N, n, d, generator=gen, device=DEV).bfloat16()        # x's residual gradient (HAS_RES)
     fn3, dh3 = T._split_bf16(fn), T._split_bf16(dh)
-    for name, kw in _configs(T._pre_bwd_dx):
+    for i, (name, kw) in enumerate(_configs(T._pre_bwd_dx)):
+        res = i % 2 == 0                                                      # every other config adds dres
         dx = torch.full_like(x, float("nan"))
         part = torch.full((kw["NSPLIT"], K, RP), float("nan"), device=DEV)
         T._pre_bwd_dx.fn[(n * triton.cdiv(d, kw["BD"]), kw["NSPLIT"])](
-            x, fn3, dh3, cx, pre, du, dx, part, N, K, d, R, N.bit_length(), NS=n, RP=RP, XB16=True, IEEE=not CUDA,
-            **kw)
+            x, fn3, dh3, cx, pre, du, dres if res else dx, dx, part, N, K, d, R, N.bit_length(), NS=n, RP=RP,
+            XB16=True, IEEE=not CUDA, HAS_RES=res, **kw)
         assert_rel(f"dfnᵀ [{name}]", part[:, :, :R].sum(0), dfn64, 1e-4 if CUDA else 1e-6)
         dx = dx.reshape(N, K)
-        assert_rel(f"dx [{name}]", dx, dx64, 2.5e-3 if CUDA else 5e-3)
+        want = dx64 + dres.double().reshape(N, K) if res else dx64
+        assert_rel(f"dx [{name}, res {res}]", dx, want, 2.5e-3 if CUDA else 5e-3)
         if CUDA:
-            flips = (dx != dx64.float().bfloat16()).float().mean().item()
+            flips = (dx != want.float().bfloat16()).float().mean().item()
             assert flips <= 5e-3, f"dx [{name}]: {flips:.2%} of elements off the rounded fp64 value (> 0.5%)"

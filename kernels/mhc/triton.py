@@ -435,15 +435,17 @@ _DX = configs(gpu=[dict(BD=64, BM=64, NSPLIT=8, num_warps=4, num_stages=3),
 
 @triton.autotune(**_DX, key=["K", "NK", "NS", "XB16"])
 @triton.jit
-def _pre_bwd_dx(X, FN3, DH3, CX, PRE, DU, DX, DFN, N, K, D, R, NK, NS: tl.constexpr, RP: tl.constexpr,
-                XB16: tl.constexpr, IEEE: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, NSPLIT: tl.constexpr):
+def _pre_bwd_dx(X, FN3, DH3, CX, PRE, DU, DRES, DX, DFN, N, K, D, R, NK, NS: tl.constexpr, RP: tl.constexpr,
+                XB16: tl.constexpr, IEEE: tl.constexpr, HAS_RES: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+                NSPLIT: tl.constexpr):
     """Program (stream j, channel block d0, token split s) -- j varies fastest, so the n programs that share a du
     block run side by side and n-1 of them read it from L2 -- owns the columns k = j·d + d0 + [0, BD): it keeps
     fn's pieces for them ([RP, BD]) and walks its token range in BM blocks:
     dx = dh·fn + cx·x + pre_j·du and dfnᵀ[BD, RP] += xᵀ·dh, all products bf16 dots of pieces (`_mm3`): dh and fn
     in three pieces (DH3 [3, N, RP] from `_pre_bwd_map`, FN3 [3, R, K]), bf16 x as it is. dx in bf16 takes
     dh1·f1 + dh1·f2 + dh2·f1 (dropped terms ~2^-16 relative, under its 2^-9 rounding), in fp32 six dots;
-    dfnᵀ = Σ_i xᵀ·dh_i (exact products: ~fp32). DFN[s] [K, RP] partial, summed over s by PyTorch. (A
+    dfnᵀ = Σ_i xᵀ·dh_i (exact products: ~fp32). DFN[s] [K, RP] partial, summed over s by PyTorch. HAS_RES: dx also
+    takes DRES [N, K], x's other gradient (hc_post's residual input, `hc_pre_residual`), in fp32 before the store. (A
     [RP, K] partial -- fn's layout, no transposed copy after the sum -- made this kernel 0.507 -> 0.566-0.572 ms at
     16K on the H200, stored from the [BD, RP] tile or its tl.trans alike: kept [K, RP].)"""
     LDX: tl.constexpr = 1 if XB16 else 2                        # _mm3 level of dx (bf16 dx: 3 dots)
@@ -475,6 +477,8 @@ def _pre_bwd_dx(X, FN3, DH3, CX, PRE, DU, DX, DFN, N, K, D, R, NK, NS: tl.conste
         du = tl.load(DU + t64 * D + du_tile, mask=md, other=0.0).to(tl.float32)
         dx = _mm3(dh1, dh2, dh3, f1, f2, f3, tl.zeros([BM, BD], tl.float32), 3, LDX + 1, LDX, IEEE)
         dx += cx[:, None] * x.to(tl.float32) + pre[:, None] * du
+        if HAS_RES:
+            dx += tl.load(DRES + t64 * K + x_tile, mask=md, other=0.0).to(tl.float32)
         tl.store(DX + t64 * K + x_tile, dx.to(DX.dtype.element_ty), mask=md)
         if XB16:
             xt = tl.trans(x)
@@ -527,7 +531,8 @@ class _HcPre(torch.autograd.Function):
         return u, post, comb
 
     @staticmethod
-    def backward(ctx, du, dpost, dcomb):
+    def backward(ctx, du, dpost, dcomb, dres=None):
+        """dres: x's other gradient (None: none), added into dx by `_pre_bwd_dx`."""
         x, fn32, base32, scale32, mix, rinv, pre, fn3 = ctx.saved_tensors
         iters, eps, fdt, bdt, sdt = ctx.cfg
         N, n, d = x.shape
@@ -553,8 +558,8 @@ class _HcPre(torch.autograd.Function):
         dx = torch.empty_like(x)
         part = torch.empty(_DX_SPLIT_MAX, K, RP, **f32)
         _pre_bwd_dx[lambda meta: (n * triton.cdiv(d, meta["BD"]), meta["NSPLIT"])](
-            x, fn3, dh3, cx, pre, du, dx, part, N, K, d, R, N.bit_length(), NS=n, RP=RP,
-            XB16=_bf16x(x), IEEE=_ieee(x))
+            x, fn3, dh3, cx, pre, du, dx if dres is None else dres.contiguous(), dx, part, N, K, d, R, N.bit_length(),
+            NS=n, RP=RP, XB16=_bf16x(x), IEEE=_ieee(x), HAS_RES=dres is not None)
         dfn = part[:tuned(_pre_bwd_dx, "NSPLIT"), :, :R].sum(0).t().contiguous()  # [R, n*d]
         return dx, dfn.to(fdt), dbase.to(bdt), dscale.to(sdt), None, None, None
 
