@@ -234,7 +234,7 @@ _NO_DATA = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_stri
             "view_as_real", "view_as_complex", "_reshape_alias", "set_", "resize_", "record_stream"}
 _GEMM = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "_grouped_mm", "linear", "matmul", "_scaled_mm",
          "_scaled_grouped_mm", "convolution"}
-_GLUE = ("profile_step.py", "bench.py", "kernels/_custom_op.py", "kernels/__init__.py")   # dispatch, not sources
+_GLUE = ("profile_step.py", "bench.py", "traffic_cpu.py", "kernels/_custom_op.py", "kernels/__init__.py")  # not sources
 _COPY = {"copy_", "_to_copy", "clone", "contiguous", "to", "_copy_from", "_copy_from_and_resize"}
 
 
