@@ -229,7 +229,13 @@ class DSv4Attention(nn.Module):
         lse = None
         if listed:
             o, lse = o                                                          # lse [T, H]
-        sel = _cat_selections([p["selection"] for p in picks]) if self.indexer is not None else None
+        sel = None
+        if self.indexer is not None:
+            rows = [p["selection"] for p in picks]
+            if B > 1 and use_sel is not None and all(p["eseg"].shape == r[1].shape for p, r in zip(picks, rows)):
+                sel = (use_sel, torch.cat([r[1] for r in rows]), torch.cat([r[2] for r in rows]))   # same offsets
+            else:
+                sel = _cat_selections(rows)
         loss = None
         if want_loss:
             losses = [self._loss(p, cut(q, r), cut(kv, r), None if lse is None else cut(lse, r), ctxs[r], backend)

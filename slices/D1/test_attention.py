@@ -290,3 +290,22 @@ def test_grouped_out_proj_against_a_loop_oracle_and_gradcheck():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         zb = grouped_out_proj(o.float(), w.float())
     assert zb.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_batch_selection_equals_each_row_alone(mode):
+    """A [2, S] CSA batch in training: the recorded selection (one index tensor over the rows' concatenated
+    entries, shared with the attention's in sparse mode) names, row by row, the entries each row picks alone."""
+    cfg, attn = make_layer("csa", seed=5, indexer_loss_mode=mode)
+    attn.train()
+    S = 29
+    h = torch.randn(2, S, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    aux = AuxLosses()
+    attn(h, aux=aux)
+    both = aux.picks(None, (2, S))
+    for r in range(2):
+        one = AuxLosses()
+        attn(h[r:r + 1], aux=one)
+        assert torch.equal(both[r], one.picks(None, (1, S))[0]), r
+    idx, es, _ = aux.selections[None]
+    assert es.shape[0] == 2 * (es.shape[0] // 2) and int(idx.max()) >= es.shape[0] // 2   # row 1 offset past row 0
