@@ -18,7 +18,7 @@ official naming (`remove_expert_qat` restores plain parameters holding the maste
 Kept in high precision (`HIGH_PRECISION`, a reason per pattern on the module path; Megatron #5308 and
 DeepSeek's released checkpoint): compressors and the indexer (their projections; the indexer's QK scoring
 has its own setting, `indexer_qk_precision`, see kernels/indexer/fp4.py), the router `gate`, mHC, norms, the embedding
-and the output `head`, `wo_a` (its weight is read directly by the grouped einsum, never called; DeepSeek's
+and the output `head`, `wo_a` (its weight is read directly by the grouped output projection, never called; DeepSeek's
 convert.py dequantises it to BF16 too), and any layer owning a tensor of P1's FP32 set
 (model/precision.py `keeps_fp32`).
 """
@@ -45,7 +45,7 @@ HIGH_PRECISION: dict[str, str] = {
     r"norm$": "norm",
     r"(^|\.)embed$": "embedding",
     r"(^|\.)head$": "output head",
-    r"(^|\.)wo_a$": "wo_a: weight read by einsum (not called); BF16 in DeepSeek's checkpoint",
+    r"(^|\.)wo_a$": "wo_a: weight read by the grouped output projection (not called); BF16 in DeepSeek's checkpoint",
 }
 
 
