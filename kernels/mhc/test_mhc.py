@@ -43,14 +43,20 @@ def _tols(dt):
     return check
 
 
-@pytest.mark.parametrize("N,n,d,dt", CASES + (REAL if CUDA else []))
-def test_hc_pre_matches_naive(N, n, d, dt):
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    check = _tols(dt)
+def _pre_inputs(N, n, d, dt, gen):
+    """x [N, n, d] in dt and hc_pre's fp32 fn / base / scale, all requiring grad."""
     x = torch.randn(N, n, d, generator=gen, device=DEV).to(dt).requires_grad_()
     fn = (torch.randn((2 + n) * n, n * d, generator=gen, device=DEV) * (n * d) ** -0.5 * 3).requires_grad_()
     base = torch.randn((2 + n) * n, generator=gen, device=DEV).requires_grad_()
     scale = (torch.rand(3, generator=gen, device=DEV) + 0.5).requires_grad_()
+    return x, fn, base, scale
+
+
+@pytest.mark.parametrize("N,n,d,dt", CASES + (REAL if CUDA else []))
+def test_hc_pre_matches_naive(N, n, d, dt):
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    check = _tols(dt)
+    x, fn, base, scale = _pre_inputs(N, n, d, dt, gen)
     got = hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6, backend="triton")
     want = hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6, backend="naive")
     for name, a, b in zip(("u", "post", "comb"), got, want):
@@ -98,10 +104,7 @@ def test_hc_pre_residual_adds_the_residual_gradient_in_the_kernel(N, n, d, dt):
     stored fp32 tensors: measured bit-equal on this host). A dropped or doubled residual gradient fails both."""
     gen = torch.Generator(device=DEV).manual_seed(3)
     check = _tols(dt)
-    x = torch.randn(N, n, d, generator=gen, device=DEV).to(dt).requires_grad_()
-    fn = (torch.randn((2 + n) * n, n * d, generator=gen, device=DEV) * (n * d) ** -0.5 * 3).requires_grad_()
-    base = torch.randn((2 + n) * n, generator=gen, device=DEV).requires_grad_()
-    scale = (torch.rand(3, generator=gen, device=DEV) + 0.5).requires_grad_()
+    x, fn, base, scale = _pre_inputs(N, n, d, dt, gen)
     out = torch.randn(N, d, generator=gen, device=DEV).to(dt)
     dy = torch.randn(N, n, d, generator=gen, device=DEV).to(dt)
 

@@ -26,14 +26,22 @@ def _tile(x, f: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _swiglu_fwd(G, U, Y, R, F, s_in, limit, CLAMP: tl.constexpr, CT: tl.constexpr, BR: tl.constexpr,
-                BC: tl.constexpr):
-    # gate / up rows at stride s_in (f for separate tensors, 2f for the halves of one [R, 2f]); y [R, f] dense
+def _tile_gu(G, U, R, F, s_in, CT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """The program's [BR, BC] tile: rows r, columns c, mask m, and gate / up there in CT; gate / up rows at stride
+    s_in (f for separate tensors, 2f for the halves of one [R, 2f])."""
     r = (tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR))[:, None]
     c = (tl.program_id(1) * BC + tl.arange(0, BC))[None, :]
     m = (r < R) & (c < F)
     g = tl.load(G + r * s_in + c, mask=m, other=0.0).to(CT)
     u = tl.load(U + r * s_in + c, mask=m, other=0.0).to(CT)
+    return r, c, m, g, u
+
+
+@triton.jit
+def _swiglu_fwd(G, U, Y, R, F, s_in, limit, CLAMP: tl.constexpr, CT: tl.constexpr, BR: tl.constexpr,
+                BC: tl.constexpr):
+    # y [R, f] dense
+    r, c, m, g, u = _tile_gu(G, U, R, F, s_in, CT, BR, BC)
     if CLAMP:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -45,11 +53,7 @@ def _swiglu_fwd(G, U, Y, R, F, s_in, limit, CLAMP: tl.constexpr, CT: tl.constexp
 def _swiglu_bwd(G, U, DY, DG, DU, R, F, s_in, limit, CLAMP: tl.constexpr, CT: tl.constexpr, BR: tl.constexpr,
                 BC: tl.constexpr):
     # gate / up and their gradients at row stride s_in, dy [R, f] dense
-    r = (tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR))[:, None]
-    c = (tl.program_id(1) * BC + tl.arange(0, BC))[None, :]
-    m = (r < R) & (c < F)
-    g = tl.load(G + r * s_in + c, mask=m, other=0.0).to(CT)
-    u = tl.load(U + r * s_in + c, mask=m, other=0.0).to(CT)
+    r, c, m, g, u = _tile_gu(G, U, R, F, s_in, CT, BR, BC)
     dy = tl.load(DY + r * F + c, mask=m, other=0.0).to(CT)
     if CLAMP:
         g_pass = g <= limit
