@@ -312,6 +312,11 @@ def _accumulate(acc: torch.Tensor | None, part: torch.Tensor, dt: torch.dtype) -
     return part.to(dt) if acc is None else acc.add_(part)
 
 
+def _or_zeros(acc: torch.Tensor | None, like: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """The accumulated dW, or zeros of `like`'s shape in dt when no block (no rows) was added."""
+    return torch.zeros(like.shape, dtype=dt, device=like.device) if acc is None else acc
+
+
 class _HeadCrossEntropy(torch.autograd.Function):
     """mean over non-ignored rows of CE(y @ W^T, labels), the logits formed in W's dtype and upcast to fp32 as
     `F.cross_entropy(head(y).float(), labels)` does, over blocks of `chunk` rows, never holding [N, V]. The rows'
@@ -354,9 +359,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 if need_dw:
                     dw = _accumulate(dw, gl.t() @ y[rows], dt)
         if grad_in_forward:
-            if need_dw and dw is None:                                         # no rows
-                dw = torch.zeros(weight.shape, dtype=dt, device=weight.device)
-            ctx.save_for_backward(dy, dw)                                      # None where not asked for
+            ctx.save_for_backward(dy, _or_zeros(dw, weight, dt) if need_dw else None)   # None where not asked for
         else:
             ctx.save_for_backward(y, weight, safe, valid, lse, n)
         ctx.chunk, ctx.mean, ctx.backend = chunk, mean, backend
@@ -382,9 +385,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
             gl = ce_dlogits(F.linear(yc, weight), lse[rows], safe[rows], scale[rows], backend=ctx.backend)
             torch.mm(gl, weight, out=dy[rows])                                 # gl: dlogits [C, V], logits' dtype
             dw = _accumulate(dw, gl.t() @ yc, dt)
-        if dw is None:                                                         # no rows
-            dw = torch.zeros(weight.shape, dtype=dt, device=weight.device)
-        return dy, dw.to(weight.dtype), None, None, None, None, None
+        return dy, _or_zeros(dw, weight, dt).to(weight.dtype), None, None, None, None, None
 
 
 def head_cross_entropy(y: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -129,17 +130,26 @@ def summarize(prof, host_s: float, top_kernels: int = TOP_KERNELS, top_ops: int 
 
 
 _MINE = ("model/", "kernels/", "harness/")
-_NOT_SOURCE = ("profile_step.py", "train/bench.py", "harness/bench.py", "_custom_op.py")
+_NOT_SOURCE = ("profile_step.py", "train/bench.py", "harness/bench.py", "traffic_cpu.py",   # the measuring code,
+               "kernels/_custom_op.py", "kernels/__init__.py")                              # the ops' dispatch
+
+
+def _repo_path(path: str) -> str | None:
+    """A file path of this repo's model/ kernels/ harness/ from the innermost of those folders on; None for any
+    other file and for the measuring / dispatch files (_NOT_SOURCE)."""
+    if not any(m in path for m in _MINE) or any(x in path for x in _NOT_SOURCE):
+        return None
+    return path[max(path.rfind(m) for m in _MINE):]
 
 
 def _repo_frame(name: str) -> str | None:
     """'<dir>/<file>.py(<line>): <function>' of a Python-frame event of this repo's model/ kernels/ harness/ (the
     profiler's with_stack events), None for any other event."""
-    if ".py(" not in name or not any(m in name for m in _MINE) or any(x in name for x in _NOT_SOURCE):
+    if ".py(" not in name:
         return None
     path, rest = name.split(".py(", 1)
-    at = max(path.rfind(m) for m in _MINE)                 # from the innermost model/ kernels/ harness/ on
-    return path[at:] + ".py(" + rest
+    path = _repo_path(path + ".py")
+    return None if path is None else path + "(" + rest
 
 
 def _module_label(name: str) -> str | None:
@@ -234,7 +244,6 @@ _NO_DATA = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_stri
             "view_as_real", "view_as_complex", "_reshape_alias", "set_", "resize_", "record_stream"}
 _GEMM = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "_grouped_mm", "linear", "matmul", "_scaled_mm",
          "_scaled_grouped_mm", "convolution"}
-_GLUE = ("profile_step.py", "bench.py", "traffic_cpu.py", "kernels/_custom_op.py", "kernels/__init__.py")  # not sources
 _COPY = {"copy_", "_to_copy", "clone", "contiguous", "to", "_copy_from", "_copy_from_and_resize"}
 
 
@@ -260,15 +269,15 @@ def traffic(step, top: int = 40) -> dict:
     import traceback
 
     from torch.utils._python_dispatch import TorchDispatchMode
-    mine = _MINE
     rows: dict[tuple, list] = {}
 
     def src_of(frames) -> str | None:
+        """'<path>:<line> <function>' of the innermost repo frame (traceback frames or (file, line, function))."""
         for f in reversed(frames):
             name, line, fn = (f.filename, f.lineno, f.name) if hasattr(f, "filename") else f
-            if any(m in name for m in mine) and not name.endswith(_GLUE):
-                at = max(name.rfind(m) for m in mine)
-                return f"{name[at:]}:{line} {fn}"
+            path = _repo_path(name)
+            if path is not None:
+                return f"{path}:{line} {fn}"
         return None
 
     def nbytes(ts) -> int:
@@ -303,7 +312,6 @@ def traffic(step, top: int = 40) -> dict:
             r[1] += nbytes(flat_in) + nbytes(flat_out)                  # read + written (in place: self both)
             return out
 
-    import warnings
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Anomaly Detection has been enabled")
         with torch.autograd.detect_anomaly(check_nan=False), _Count():
@@ -332,7 +340,6 @@ def sync_sites(step, device, top: int = 20) -> dict | None:
     model/ kernels/ harness/ (else the innermost frame). None off CUDA."""
     import collections
     import traceback
-    import warnings
     if torch.device(device).type != "cuda":
         return None
     sites: collections.Counter = collections.Counter()
@@ -384,6 +391,7 @@ def main(argv=None):
     ap.add_argument("--traffic", action="store_true",
                     help="also count one step's aten bytes by source line and write traffic_<T>.json (traffic)")
     args = ap.parse_args(argv)
+    from dsv4.harness.goldens import atomic_write_text
     from dsv4.harness.train.bench import build_ours, lm_inputs, make_step, time_step_fn
     from dsv4.model.config import get_config
     cfg = get_config(args.config)
@@ -401,12 +409,10 @@ def main(argv=None):
         head = f"T={T} B={args.batch} S={S} step {dt * 1e3:.1f} ms, {T / dt:,.0f} tok/s, peak {peak:.1f} GiB\n"
         txt = head + ka.table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=70) + \
             "\n\n" + ka.table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=70)
-        with open(os.path.join(args.out, f"profile_{T}.txt"), "w") as f:
-            f.write(txt)
+        atomic_write_text(Path(args.out) / f"profile_{T}.txt", txt)
         print(head, flush=True)
         print(ka.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
         if args.by_source:
-            from dsv4.harness.goldens import atomic_write_text
             del prof
             prof, _ = profile_once(step, dev, with_stack=True)
             src = by_source(prof, 60)
@@ -415,7 +421,6 @@ def main(argv=None):
                 print(f"{r['ms']:8.2f} ms {r['share']:6.1%} {r['phase']} {r['source'][:90]}  {list(r['ops'])[:3]}",
                       flush=True)
         if args.traffic:
-            from dsv4.harness.goldens import atomic_write_text
             tr = traffic(step, 80)
             atomic_write_text(Path(args.out) / f"traffic_{T}.json", json.dumps(tr, indent=1))
             print(f"traffic {tr['total'] / 1e9:.2f} GB: " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in

@@ -1,5 +1,6 @@
-"""mHC ops (spec §4): `sinkhorn`, `hc_pre`, `hc_pre_residual`, `hc_post`, `hc_head`, each with `backend="naive"|"triton"` via
-`kernels.get_op` (the table `kernels.OPS` names the reference for the ops without a Triton kernel)."""
+"""mHC ops (spec §4): `sinkhorn`, `hc_pre`, `hc_pre_residual`, `hc_post`, `hc_head`, each with
+`backend="naive"|"triton"` via `kernels.get_op` (the table `kernels.OPS` names the reference for the ops without a
+Triton kernel)."""
 from __future__ import annotations
 
 from dsv4.kernels import get_op

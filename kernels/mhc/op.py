@@ -72,11 +72,15 @@ def _pre_backward(ctx, du, dpost, dcomb, *_extra):
 _hc_pre = autograd_op(hc_pre_fwd, _hc_pre_fwd, _pre_setup, _pre_backward)
 
 
-def hc_pre(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: float, norm_eps: float):
-    """x [N,n,d] -> (u [N,d] x.dtype, post [N,n] fp32, comb [N,n,n] fp32); same contract as `naive.hc_pre`."""
+def _check_fn(x: Tensor, fn: Tensor) -> None:
     N, n, d = x.shape
     if tuple(fn.shape) != ((2 + n) * n, n * d):
         raise ValueError(f"hc_pre: fn shape {tuple(fn.shape)} != ((2+n)n, n*d) = {((2 + n) * n, n * d)}")
+
+
+def hc_pre(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, eps: float, norm_eps: float):
+    """x [N,n,d] -> (u [N,d] x.dtype, post [N,n] fp32, comb [N,n,n] fp32); same contract as `naive.hc_pre`."""
+    _check_fn(x, fn)
     u, post, comb, *_ = _hc_pre(x, fn, base, scale, int(iters), float(eps), float(norm_eps))
     return u, post, comb
 
@@ -108,9 +112,7 @@ def hc_pre_residual(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: i
     an alias of its input; the compiled graph sums the two gradients)."""
     if traced((x, fn, base, scale)):
         return (*hc_pre(x, fn, base, scale, iters, eps, norm_eps), x)
-    N, n, d = x.shape
-    if tuple(fn.shape) != ((2 + n) * n, n * d):
-        raise ValueError(f"hc_pre: fn shape {tuple(fn.shape)} != ((2+n)n, n*d) = {((2 + n) * n, n * d)}")
+    _check_fn(x, fn)
     u, post, comb, *_, xr = _HcPreResidual.apply(x, fn, base, scale, int(iters), float(eps), float(norm_eps))
     return u, post, comb, xr
 

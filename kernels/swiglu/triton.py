@@ -88,7 +88,7 @@ def swiglu_fwd(gate, up, limit) -> torch.Tensor:
     """y [R, f] of gate / up [R, f] views sharing one row stride (dense, or the halves of one [R, 2f])."""
     R, f = gate.shape
     y = torch.empty((R, f), dtype=gate.dtype, device=gate.device)
-    if y.numel() == 0:
+    if R * f == 0:
         return y
     BR, BC = _tile(gate, f)
     clamp = limit is not None
