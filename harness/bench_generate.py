@@ -111,8 +111,8 @@ def main(argv=None):
         need_cuda("bench_generate")
         doc = bench(a.config, [int(c) for c in a.contexts.split(",")], a.batch, a.new, a.prefill_chunk, "cuda",
                     "triton")
-    from dsv4.harness.goldens import atomic_write_json, provenance
-    doc["provenance"] = provenance("cpu" if a.smoke else "h200", config=None)
+    from dsv4.harness.goldens import atomic_write_json, platform_of, provenance
+    doc["provenance"] = provenance(platform_of("cpu" if a.smoke else "cuda"), config=None)
     if torch.cuda.is_available() and not a.smoke:
         doc["provenance"]["gpu"] = torch.cuda.get_device_name()
     if a.out:

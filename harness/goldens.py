@@ -57,6 +57,15 @@ def git_sha() -> tuple[str, bool]:
         return "unknown", False
 
 
+def platform_of(device: torch.device | str) -> str:
+    """The goldens' platform name of a device (cpu | h200 | h100 | gb200, from the GPU's name), else "cuda"."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    gpu = torch.cuda.get_device_name(device).lower()
+    return next((p for p in ("gb200", "h200", "h100") if p in gpu), "cuda")
+
+
 def config_hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -9,8 +9,11 @@
 #      custom ops' opchecks; kernels/mhc: hc_pre's backward kernel adding the residual gradient), cut at NEW_TIMEOUT,
 #   4. the sparse-attention GPU tests, cut at TEST_TIMEOUT (the file takes more than 150 s on a
 #      cold cache); the default limits, 180 + 220 + 80 + 100 s, fit one 600-s call.
+# On a fresh machine with no caches (session 23, an H100) step 2 was cut at 220 s before its first timed step and
+# step 3 at 80 s (the opcheck alone takes 125 s cold). Carry `.dcache` with a previous call's autotune.tgz
+# unpacked into .dcache/triton (shim.sh `dsv4_caches`), or raise PROF_TIMEOUT / NEW_TIMEOUT and SKIP a step.
 # Everything lands in $OUT: env.txt, keymajor.log + sparse_bwd_keymajor.json, profile.log + profile_16384.txt +
-# profile_16384_sources.json, traffic_16384.json, pytest_new.log, pytest_sparse_attn.log, summary.txt. Knobs: SKIP=<step numbers>, KM_TIMEOUT,
+# profile_16384_sources.json, traffic_16384.json, pytest_new.log, pytest_sparse_attn.log, summary.txt, autotune.tgz. Knobs: SKIP=<step numbers>, KM_TIMEOUT,
 # PROF_TIMEOUT, NEW_TIMEOUT, TEST_TIMEOUT, TOKENS (profile), DSV4_GIT_SHA.
 # Example: run(command="DSV4_GIT_SHA=<sha> bash harness/device/explore_h200.sh", timeout_s=600)
 set -u
@@ -18,8 +21,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 SHIM=$(mktemp -d)
-. harness/device/shim.sh && dsv4_shim "$SHIM"
-export PYTHONPATH=$SHIM TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/build/triton_cache}
+. harness/device/shim.sh && dsv4_shim "$SHIM" && dsv4_caches
+export PYTHONPATH=$SHIM
 export DSV4_GIT_SHA=${DSV4_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 { python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__, \
 torch.cuda.get_device_name())"; echo "git $DSV4_GIT_SHA"; } > "$OUT/env.txt" 2>&1
@@ -45,3 +48,4 @@ print(f"as is {d['as_is_ms']:.3f} ms, window part {d['window_only_ms']:.3f} ms; 
       f"{best['ms']:.3f} ms {best['config']} within bounds {best['within_bounds']}" if best else "no key-major row")
 PY
 for f in pytest_new pytest_sparse_attn; do grep -E "[0-9]+ (passed|failed)" "$OUT/$f.log" 2>/dev/null | tee -a "$OUT/summary.txt"; done
+dsv4_pack_autotune "$OUT"

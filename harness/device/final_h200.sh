@@ -43,10 +43,9 @@ export PYTHONUNBUFFERED=1
 # Compile caches: with .dcache/ carried in (a previous call's caches.tgz unpacked there) Triton's kernels, its
 # autotuning choices and Inductor's graphs are reused (first-step seconds shrink; step times do not change).
 # CACHES=1 packs them into $FINAL/caches.tgz for the next call.
-mkdir -p .dcache/triton .dcache/inductor
-export TRITON_CACHE_DIR=$PWD/.dcache/triton TORCHINDUCTOR_CACHE_DIR=$PWD/.dcache/inductor TRITON_CACHE_AUTOTUNING=1
+# Every call also writes $FINAL/autotune.tgz, the autotuning choices alone (shim.sh `dsv4_pack_autotune`).
 SHIM=$(mktemp -d /tmp/fshim.XXXXXX)
-. harness/device/shim.sh && dsv4_shim "$SHIM"
+. harness/device/shim.sh && dsv4_shim "$SHIM" && dsv4_caches
 if [ "$WHATS" != more ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SHIM/site" .whl/*.whl || exit 3
 fi
@@ -61,7 +60,13 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"; echo "gi
 touch "$OUT/summary.txt"
 # SEED_BENCH=<file>: an earlier call's bench_train.json; this call's rows are appended to it (`--append`: the rows
 # keep their own provenance, a row of the same (impl, tokens, batch) is replaced, the ratios are recomputed)
-[ -n "${SEED_BENCH:-}" ] && cp "$SEED_BENCH" "$OUT/bench_train.json"
+# The seed must be of this GPU: bench refuses to append an H100 run to an H200 file (goldens.platform_of), so on
+# another GPU the call starts a file of its own.
+GPU=$($PY -c "import torch; from dsv4.harness.goldens import platform_of; print(platform_of('cuda' if torch.cuda.is_available() else 'cpu'))" 2>/dev/null)
+if [ -n "${SEED_BENCH:-}" ]; then
+  case $SEED_BENCH in *"/$GPU/"*) cp "$SEED_BENCH" "$OUT/bench_train.json" ;;
+                      *) echo "SEED_BENCH $SEED_BENCH is not of this GPU ($GPU): not seeded" | tee -a "$OUT/summary.txt" ;; esac
+fi
 run() { local name=$1 t=$2; shift 2; local s=$(date +%s); timeout "$t" bash -c "$*" > "$OUT/$name.log" 2>&1; local rc=$?
         echo "$name rc=$rc $(( $(date +%s) - s ))s" | tee -a "$OUT/summary.txt"; }
 keep() { mkdir -p "$OUT/$1"; for f in golden_values.json run.json metrics.jsonl routing_stats.json; do
@@ -112,4 +117,5 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used --fo
 rm -rf "$SHIM"
 cat "$OUT/summary.txt"
 tar czf "$FINAL/results.tgz" -C "$OUT" . && cp "$OUT/summary.txt" "$FINAL/summary.txt"
+dsv4_pack_autotune "$FINAL"
 [ "${CACHES:-0}" = 1 ] && tar czf "$FINAL/caches.tgz" -C .dcache . && ls -la "$FINAL"

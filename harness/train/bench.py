@@ -397,7 +397,7 @@ def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: i
     import os
 
     from dsv4.harness.errors import BadInput, need_cuda
-    from dsv4.harness.goldens import atomic_write_json, git_sha, provenance
+    from dsv4.harness.goldens import atomic_write_json, git_sha, platform_of, provenance
     from dsv4.model.config import get_config
     toks, names = parse_args(",".join(map(str, tokens)), batch, ",".join(impls), steps, warmup, compile_)
     config = config or ("debug" if smoke else "proxy")
@@ -411,7 +411,7 @@ def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: i
         need_cuda("dsv4 bench train")
     backend = backend or ("triton" if device.type == "cuda" else "naive")
     cfg = get_config(config)
-    platform = "h200" if device.type == "cuda" else "cpu"
+    platform = platform_of(device)       # from the GPU's name: an H100 run is not filed as h200
     old = load_existing(out, config, platform) if append and os.path.exists(out) else []
     prov = provenance(platform, config=cfg.to_dict())
     if smoke:

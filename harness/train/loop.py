@@ -219,13 +219,6 @@ def golden_values(history: list[dict], metrics=GOLDEN_METRICS) -> dict:
     return out
 
 
-def _platform_name(device: torch.device) -> str:
-    """The goldens' platform name of this device (cpu | h200 | h100 | gb200), else the device type."""
-    if device.type != "cuda":
-        return "cpu"
-    gpu = torch.cuda.get_device_name(device).lower()
-    return next((p for p in ("gb200", "h200", "h100") if p in gpu), "cuda")
-
 
 def _load_optim(opt, state: dict, model, where: str) -> None:
     """Load the optimiser state; refuse, naming the parameter, a moment whose shape does not fit its parameter."""
@@ -455,7 +448,7 @@ def _train(recipe, out, seed, resume, model_factory, progress, log, overwrite=Fa
         step0, history = meta["step"], meta["history"]
         log(f"resumed from {ck_dir} at step {step0}")
     _check_finite(step0, "parameter", named)                    # a NaN init or a poisoned checkpoint: stop now
-    prov = G.provenance(_platform_name(device), config=json.loads(json.dumps(asdict(recipe))), seed=seed)
+    prov = G.provenance(G.platform_of(device), config=json.loads(json.dumps(asdict(recipe))), seed=seed)
     G.atomic_write_json(os.path.join(out, "provenance.json"), prov)
 
     run_info = {"recipe": asdict(recipe), "config": recipe.config, "config_hash": cfg_hash, "seed": seed,

@@ -174,6 +174,22 @@ def test_append_merges_and_replaces_by_key(tmp_path, monkeypatch):
     assert doc["ratios"] == {"ours_over_hf_eager@128": pytest.approx(ours128 / 100.0)}
 
 
+def test_platform_is_the_gpu_s_name_and_append_refuses_another(tmp_path, monkeypatch):
+    """An H100 run is filed as h100, not h200 (session 23's H100 rows were first written as 'h200'), and --append
+    refuses to add a run of one platform to a file of another."""
+    from dsv4.harness.goldens import platform_of
+    assert platform_of("cpu") == "cpu"
+    for name, want in [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA GB200", "gb200"),
+                       ("NVIDIA A100-SXM4-80GB", "cuda")]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None, n=name: n)
+        assert platform_of(torch.device("cuda")) == want
+    out = tmp_path / "b.json"
+    out.write_text(json.dumps({"bench": "train", "config": "debug", "provenance": {"platform": "h200"}, "results": []}))
+    r = CliRunner().invoke(bench_train_cmd, ["--smoke", "--batch", "1", "--steps", "1", "--warmup", "0", "--impls",
+                                             "ours", "--tokens", "128", "--out", str(out), "--append"])
+    assert r.exit_code == 2 and "measured on platform 'h200', this run is 'cpu'" in r.output, r.output
+
+
 def _spy(monkeypatch, setter: str) -> list:
     """The modes DSv4Model.<setter> is called with, in order (the setter still runs)."""
     seen, orig = [], getattr(DSv4Model, setter)
