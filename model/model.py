@@ -307,8 +307,16 @@ def run_block(ckpt: bool, block, aux: AuxLosses, *args):
 HEAD_CE = ("grad_in_forward", "recompute")      # DSv4Model.set_head_ce's modes, its default first
 
 
-def _accumulate(acc: torch.Tensor | None, part: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
-    """acc + part in dt, the first part taken as it is (no zero-filled [V, d] and no add for the first block)."""
+def _dw_add(acc: torch.Tensor | None, gl: torch.Tensor, yb: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """acc + glᵀ yb [V, d] in dt, the first block taken as it is. On CUDA with bf16 / fp16 operands the GEMM itself
+    writes (mm) or adds into acc (addmm) in dt (`out_dtype`): no [V, d] product rounded to bf16, no cast and no
+    separate add (at 16K tokens, two heads of two blocks: ~1.3 GB a step). CPU has no `mm.dtype` kernel, and fp32 /
+    fp64 operands need none: there the product is formed in its dtype and added in place."""
+    if gl.is_cuda and gl.dtype != dt:
+        if acc is None:
+            return torch.mm(gl.t(), yb, out_dtype=dt)
+        return torch.addmm(acc, gl.t(), yb, out_dtype=dt, out=acc)
+    part = gl.t() @ yb
     return part.to(dt) if acc is None else acc.add_(part)
 
 
@@ -357,7 +365,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 if need_dy:
                     torch.mm(gl, weight, out=dy[rows])                         # into dy's rows, no copy
                 if need_dw:
-                    dw = _accumulate(dw, gl.t() @ y[rows], dt)
+                    dw = _dw_add(dw, gl, y[rows], dt)
         if grad_in_forward:
             ctx.save_for_backward(dy, _or_zeros(dw, weight, dt) if need_dw else None)   # None where not asked for
         else:
@@ -384,7 +392,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
             yc, rows = y[a:a + ctx.chunk], slice(a, a + ctx.chunk)
             gl = ce_dlogits(F.linear(yc, weight), lse[rows], safe[rows], scale[rows], backend=ctx.backend)
             torch.mm(gl, weight, out=dy[rows])                                 # gl: dlogits [C, V], logits' dtype
-            dw = _accumulate(dw, gl.t() @ yc, dt)
+            dw = _dw_add(dw, gl, yc, dt)
         return dy, _or_zeros(dw, weight, dt).to(weight.dtype), None, None, None, None, None
 
 

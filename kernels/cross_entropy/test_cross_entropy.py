@@ -153,6 +153,26 @@ def test_head_grad_in_forward_equals_recompute_bf16_on_gpu():
     assert_rel("dW", dwa, dwb, 1e-2)
 
 
+@GPU_ONLY
+def test_head_dw_blocks_are_formed_in_fp32_on_gpu():
+    """On CUDA the head's dW blocks are written / added by the GEMM in fp32 (`_dw_add`: mm / addmm `out_dtype`),
+    never rounded to bf16 between blocks: 3 blocks of bf16 dlogits and y against the fp64 sum of the same bf16
+    operands, relative norm 1e-5 (fp32 accumulation over 512-row blocks is ~1e-7). The old form, each block's
+    product rounded to bf16 and then added, is ~2e-3 off, and the check below shows this test tells them apart."""
+    from dsv4.model.model import _dw_add
+    g = torch.Generator().manual_seed(7)
+    gls = [(torch.randn(512, 1024, generator=g) * 1e-3).to(torch.bfloat16).cuda() for _ in range(3)]
+    ys = [torch.randn(512, 256, generator=g).to(torch.bfloat16).cuda() for _ in range(3)]
+    acc = None
+    for gl, yb in zip(gls, ys):
+        acc = _dw_add(acc, gl, yb, torch.float32)
+    ref = sum(gl.double().t() @ yb.double() for gl, yb in zip(gls, ys))
+    assert acc.dtype == torch.float32
+    assert_rel("dW in fp32", acc, ref, 1e-5)
+    rounded = sum((gl.t() @ yb).float() for gl, yb in zip(gls, ys))
+    assert ((rounded.double() - ref).norm() / ref.norm()).item() > 1e-4
+
+
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
 def test_head_grad_in_forward_scales_once_in_fp32(dt):
     """grad_in_forward's backward: the gradients are the kept dy / dW (at g = 1) times the upstream g formed in
@@ -173,7 +193,7 @@ def test_head_grad_in_forward_scales_once_in_fp32(dt):
     one = head_cross_entropy(y, W, lab, chunk=64, grads="grad_in_forward")
     _, dw_one = one.grad_fn.saved_tensors
     # fp32 sums of 3 block products vs one product over all rows: rounding of the block order only. Measured on
-    # this host (CPU): fp32 2.2e-8 abs (|dW| <= 0.11), bound 2e-7 (x9); bf16 (each block's product rounded to bf16
-    # first) 2.4e-3 by relative norm, bound 1e-2 (x4)
+    # this host (CPU): fp32 2.2e-8 abs (|dW| <= 0.11), bound 2e-7 (x9); bf16 (on CPU each block's product is
+    # rounded to bf16 first; on CUDA the GEMM adds it in fp32, `_dw_add`) 2.4e-3 by relative norm, bound 1e-2 (x4)
     torch.testing.assert_close(dw1, dw_one, atol=2e-7, rtol=0) if dt == torch.float32 else \
         assert_rel("dW blocks", dw1, dw_one, 1e-2)
