@@ -307,12 +307,16 @@ def run_block(ckpt: bool, block, aux: AuxLosses, *args):
 HEAD_CE = ("grad_in_forward", "recompute")      # DSv4Model.set_head_ce's modes, its default first
 
 
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.addmm, "dtype_out")   # torch >= 2.8
+
+
 def _dw_add(acc: torch.Tensor | None, gl: torch.Tensor, yb: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     """acc + glᵀ yb [V, d] in dt, the first block taken as it is. On CUDA with bf16 / fp16 operands the GEMM itself
     writes (mm) or adds into acc (addmm) in dt (`out_dtype`): no [V, d] product rounded to bf16, no cast and no
     separate add (at 16K tokens, two heads of two blocks: ~1.3 GB a step). CPU has no `mm.dtype` kernel, and fp32 /
-    fp64 operands need none: there the product is formed in its dtype and added in place."""
-    if gl.is_cuda and gl.dtype != dt:
+    fp64 operands need none (nor a torch before `out_dtype`): there the product is formed in its dtype and added in
+    place."""
+    if gl.is_cuda and gl.dtype != dt and _MM_OUT_DTYPE:
         if acc is None:
             return torch.mm(gl.t(), yb, out_dtype=dt)
         return torch.addmm(acc, gl.t(), yb, out_dtype=dt, out=acc)
