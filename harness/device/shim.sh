@@ -18,6 +18,7 @@ dsv4_caches() {
   export TRITON_CACHE_DIR=$PWD/.dcache/triton TORCHINDUCTOR_CACHE_DIR=$PWD/.dcache/inductor TRITON_CACHE_AUTOTUNING=1
 }
 dsv4_pack_autotune() {
-  (cd .dcache/triton && find . -name '*.autotune.json' -print0 | tar czf "$1/autotune.tgz" --null -T -) &&
-    echo "autotune.tgz: $(tar tzf "$1/autotune.tgz" | wc -l) choices"
+  local dst; dst=$(cd "$1" && pwd) || return 1                     # absolute: the tar runs inside .dcache/triton
+  (cd .dcache/triton && find . -name '*.autotune.json' -print0 | tar czf "$dst/autotune.tgz" --null -T -) &&
+    echo "autotune.tgz: $(tar tzf "$dst/autotune.tgz" | wc -l) choices"
 }
