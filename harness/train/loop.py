@@ -219,7 +219,6 @@ def golden_values(history: list[dict], metrics=GOLDEN_METRICS) -> dict:
     return out
 
 
-
 def _load_optim(opt, state: dict, model, where: str) -> None:
     """Load the optimiser state; refuse, naming the parameter, a moment whose shape does not fit its parameter."""
     try:
