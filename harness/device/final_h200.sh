@@ -27,7 +27,8 @@
 #                     bench_head_ce: ours 4K+16K once per head cross-entropy mode (--head-ce recompute,grad_in_forward:
 #                     DSv4Model.set_head_ce's A/B, a ratio per tokens), bench_out_rope: the same per output-RoPE
 #                     mode (--out-rope fused,separate: DSv4Model.set_out_rope's A/B),
-#                     ours_packed 16K (bench_packed, TR= too: 90 s cut it at ae3e91f), ours 64K + 128K B=1 with recompute (bench_long, TL= its limit,
+#                     ours_packed 16K (bench_packed, TR= too: 90 s cut it at ae3e91f), bench_packed_graph: ours_packed and
+#                     ours_packed_graph 16K (P11: the whole packed step as one captured CUDA graph), ours 64K + 128K B=1 with recompute (bench_long, TL= its limit,
 #                     150 s; LONGARGS= more bench flags, e.g. "--profile --recompute-from 131072": 64K without
 #                     recompute). With a cold Triton cache bench_long needs more than 150 s (7298853: cut before its
 #                     first row): run it after `warm` / another row, or carry .dcache/ from a CACHES=1 call
@@ -108,6 +109,7 @@ elif [ "$WHAT" = speed ]; then
     bench_head_ce) run $st $(left ${TR:-170}) "$BT $SM --tokens ${TOKS:-$T4,$T16} --batch 2 --impls ours --head-ce recompute,grad_in_forward --append --out $OUT/bench_train.json" ;;
     bench_out_rope) run $st $(left ${TR:-170}) "$BT $SM --tokens ${TOKS:-$T4,$T16} --batch 2 --impls ours --out-rope fused,separate --append --out $OUT/bench_train.json" ;;
     bench_packed) run $st $(left ${TR:-170}) "$BT $SM --tokens $T16 --batch 2 --impls ours_packed --profile --append --out $OUT/bench_train.json" ;;
+    bench_packed_graph) run $st $(left ${TR:-170}) "$BT $SM --tokens $T16 --batch 2 --impls ours_packed,ours_packed_graph --profile --append --out $OUT/bench_train.json" ;;
     bench_long) run $st $(left ${TL:-150}) "$BT $SM --steps 3 --warmup 1 --tokens $(( T16 * 4 )),$(( T16 * 8 )) --batch 1 --impls ours ${LONGARGS:-} --append --out $OUT/bench_train.json" ;;
     bench_*) run $st $(left 240) "$BT $SM --tokens $T4 --batch 2 --impls ${st#bench_} --profile --append --out $OUT/bench_train.json" ;;
   esac; done

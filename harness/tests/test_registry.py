@@ -132,6 +132,8 @@ def _drop_waiver(root, folder):
 def test_verified_over_a_planned_dependency_needs_a_waiver(tmp_path):
     root = _copy(tmp_path)
     _drop_waiver(root, "D8")
+    p11 = root / "P11" / "manifest.toml"                   # P11 as it was before session 23: planned on cpu too
+    p11.write_text(p11.read_text().replace('cpu = "implemented"', 'cpu = "planned"'))
     with pytest.raises(RegistryError, match=r"D8/manifest.toml: status.cpu is 'verified' but its dependency P11 "
                                             r"is 'planned' on cpu \(add a \[\[waiver\]\] with a reason\)$"):
         Registry.load(root)

@@ -18,6 +18,9 @@ Implementations (`--impls`, comma list):
                        documents are cut), fed as host cu_seqlens / cu_seqlens_padded (no per-step host sync);
                        tokens/s counts real tokens, MFU uses each document's own length
   ours_packed_compile  ours_packed with compile_blocks()
+  ours_packed_graph    ours_packed as one captured CUDA graph of the whole step through a static PackedSeqParams
+                       buffer (P11, harness/train/packed_graph.py: the rows loaded once, every step a replay;
+                       eager on CPU)
   hf_eager, hf_compile Hugging Face DeepseekV4ForCausalLM, eager / torch.compile default mode
 `--compile` (kept from before) turns `ours` into `ours_compile` and `ours_packed` into `ours_packed_compile`.
 Compiled rows carry `compile_stats` (Dynamo graphs, graph breaks, Inductor cudagraph skips during the row).
@@ -56,12 +59,15 @@ IMPLS = {
     "ours_cudagraph": ("ours", "reduce-overhead", False),
     "ours_packed": ("ours", None, True),
     "ours_packed_compile": ("ours", "default", True),
+    "ours_packed_graph": ("ours", None, True),
     "hf_eager": ("hf", None, False),
     "hf_compile": ("hf", "default", False),
 }
+GRAPHED = ("ours_packed_graph",)          # the whole step as one captured CUDA graph (PackedGraphStep)
 PEERS = ("hf_eager", "hf_compile")
 # (numerator, denominator) beyond ours_* over the peers: what each variant buys over its base
-PAIRS = [("ours_packed", "ours"), ("ours_packed_compile", "ours_compile"), ("ours_compile", "ours"),
+PAIRS = [("ours_packed", "ours"), ("ours_packed_compile", "ours_compile"), ("ours_packed_graph", "ours_packed"),
+         ("ours_compile", "ours"),
          ("ours_cudagraph", "ours"), ("ours_cudagraph", "ours_compile")]
 CUDAGRAPH_MIN_WARMUP = 3
 
@@ -163,6 +169,15 @@ def make_step(model, inputs: dict, mark_step: bool = False):
         for p in params:
             p.grad = None
     return step
+
+
+def graph_step(model, inputs: dict, shape: tuple[int, int]):
+    """`ours_packed_graph`'s step: the packed rows loaded once into a PackedGraphStep (max_seqs = their documents),
+    every call a replay of the captured fwd + bwd (a CUDA model; eager elsewhere). Its gradients are the graph's."""
+    from dsv4.harness.train.packed_graph import PackedGraphStep
+    g = PackedGraphStep(model, shape, max_seqs=len(inputs["cu_seqlens"]) - 1)
+    g.load(inputs["input_ids"], inputs["labels"], inputs["cu_seqlens"], inputs["cu_seqlens_padded"])
+    return g.step
 
 
 def sync(device) -> None:
@@ -341,7 +356,8 @@ def _row(cfg, impl, T, batch, steps, warmup, backend, recompute_from, device, pr
     else:
         inputs = lm_inputs(batch, S, cfg.vocab_size, device, family == "hf")
     rec["build_s"] = time.perf_counter() - t
-    step = make_step(model, inputs, mark_step=mode == "reduce-overhead")
+    step = graph_step(model, inputs, (batch, S)) if impl in GRAPHED else \
+        make_step(model, inputs, mark_step=mode == "reduce-overhead")
     rec.update(time_step_fn(step, steps, warm, device))
     if packed:
         lens = [n for row in rec["packing"]["doc_lengths"] for n in row]

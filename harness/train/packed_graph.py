@@ -32,6 +32,16 @@ from dsv4.model.layout import IGNORE, Layout
 from dsv4.model.packed_seq import PackedSeqError, copy_into, make_params
 
 
+def _check_capturable(model) -> None:
+    """Refuse, naming the fix, what reads device values on the host inside the region: routed experts on the "loop"
+    GEMM (per-expert counts; "auto" means "loop" for non-bf16 expert weights)."""
+    from dsv4.model.moe import Experts
+    for name, mod in model.named_modules():
+        if isinstance(mod, Experts) and (mod.gemm == "loop" or (mod.gemm == "auto" and mod.w13.dtype != torch.bfloat16)):
+            raise PackedSeqError(f"PackedGraphStep: {name}.gemm {mod.gemm!r} reads the per-expert counts on the host, "
+                                 "which a CUDA graph cannot; DSv4Model.set_expert_gemm('grouped' or 'dense')")
+
+
 class PackedGraphStep:
     """The fwd + bwd of `model` on packed rows [B, S] = `shape` with at most `max_seqs` documents, captured once
     as a CUDA graph (capture: default on a CUDA model) and replayed per micro-batch (module doc)."""
@@ -44,6 +54,8 @@ class PackedGraphStep:
         capture = p.is_cuda if capture is None else bool(capture)
         if capture and not p.is_cuda:
             raise PackedSeqError(f"PackedGraphStep: capture needs the model on a CUDA device, it is on {p.device}")
+        if capture:
+            _check_capturable(model)
         self.model, self.shape, self.max_seqs, self.capture, self.warmup = model, (B, S), int(max_seqs), capture, warmup
         self.params = [q for q in model.parameters() if q.requires_grad]
         self.ids = torch.zeros(B, S, dtype=torch.long, device=p.device)

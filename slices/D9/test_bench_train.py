@@ -58,6 +58,26 @@ def test_ours_and_packed_rows(tmp_path, monkeypatch):
         pytest.approx(packed["tokens_per_s"] / rows[("ours", 512, 2)]["tokens_per_s"])
 
 
+def test_packed_graph_row_runs_the_static_buffer_step(tmp_path, monkeypatch):
+    """ours_packed_graph (P11): the same packed rows as ours_packed, through PackedGraphStep (eager on CPU: its
+    layout comes from the static buffer, not from cu_seqlens); a ratio over ours_packed."""
+    from dsv4.harness.train import packed_graph
+    made = []
+    orig = packed_graph.PackedGraphStep.__init__
+
+    def spy(self, model, shape, max_seqs, **kw):
+        made.append((tuple(shape), max_seqs))
+        return orig(self, model, shape, max_seqs, **kw)
+    monkeypatch.setattr(packed_graph.PackedGraphStep, "__init__", spy)
+    doc = _run(tmp_path, ["ours_packed", "ours_packed_graph"], [512], batch=2, doc_min=16)
+    rows = _rows(doc)
+    g, p = rows[("ours_packed_graph", 512, 2)], rows[("ours_packed", 512, 2)]
+    assert "error" not in g and g["packing"] == p["packing"]             # the same documents
+    assert made == [((2, 256), len([n for row in p["packing"]["doc_lengths"] for n in row]))]
+    assert doc["ratios"]["ours_packed_graph_over_ours_packed@512"] == \
+        pytest.approx(g["tokens_per_s"] / p["tokens_per_s"])
+
+
 def test_compiled_impls_call_compile_blocks_and_mark_cudagraph_steps(tmp_path, monkeypatch):
     """ours_compile -> compile_blocks(); ours_cudagraph -> compile_blocks(mode="reduce-overhead") and one
     cudagraph_mark_step_begin per step, at least 3 warm-up steps (spied: Inductor on CPU takes minutes)."""

@@ -13,12 +13,8 @@ def debug_model(device="cpu", backend=None):
     the per-expert counts on the host, which a graph cannot)."""
     from dsv4.model import get_config
     from dsv4.model.model import build_model
-    from dsv4.model.moe import Experts
     torch.manual_seed(0)
-    m = build_model(get_config("debug")).to(device).train()
-    for mod in m.modules():
-        if isinstance(mod, Experts):
-            mod.gemm = "dense"
+    m = build_model(get_config("debug")).to(device).train().set_expert_gemm("dense")
     if backend:
         m.set_kernel_backend(backend)
     return m

@@ -6,7 +6,7 @@ on a GPU, the captured graph's replays against eager runs of the same kernels.""
 import pytest
 import torch
 
-from dsv4.harness.train.packed_graph import PackedGraphStep
+from dsv4.harness.train.packed_graph import PackedGraphStep, _check_capturable
 from dsv4.model.packed_seq import PackedSeqError
 from dsv4.slices.P11.cases import BATCHES, B, S
 from dsv4.slices.P11.cases import debug_model as _model
@@ -80,6 +80,10 @@ def test_bad_input_names_the_field():
     if not torch.cuda.is_available():
         with pytest.raises(PackedSeqError, match=r"capture needs the model on a CUDA device"):
             PackedGraphStep(model, (B, S), max_seqs=2, capture=True)
+    _check_capturable(model)                                    # "dense": nothing read on the host
+    model.set_expert_gemm("loop")
+    with pytest.raises(PackedSeqError, match=r"layers\.\d+\.ffn\.experts\.gemm 'loop' reads the per-expert counts"):
+        _check_capturable(model)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
