@@ -19,6 +19,11 @@ stream first (Triton's autotuning and compiles, cuBLAS workspaces), then capture
 parameters' `.grad` hold that micro-batch's gradients, fresh, not accumulated; under capture they are the graph's
 own tensors (do not set them to None: copy or accumulate them elsewhere).
 
+What the region reads on the host is fixed at capture: the config's scalars (the MTP loss weight, the indexer loss
+mode), the model's switches (head_ce, out_rope, recompute), autocast. A schedule that changes one of them needs a
+new PackedGraphStep (a recapture); this is why `dsv4 train --packing --cuda-graphs` (whose MTP weight and indexer
+stage change per step) still runs Inductor's cudagraph trees over the blocks instead.
+
 With capture off (CPU, or capture=False) the same region runs eagerly on every step. The tests compare it with the
 dynamic layout (`Layout.packed`) per micro-batch, and trace it with torch.compile(fullgraph=True, dynamic=False)
 across micro-batches: no graph break and no recompile means no host read and no data-dependent shape in the
