@@ -29,7 +29,7 @@ from dsv4.model.attention import ATTN_FWDS, OUT_ROPES, DSv4Attention
 from dsv4.model.block import Block
 from dsv4.model.config import ConfigError, DSv4Config
 from dsv4.model.indexer import INDEXER_FWDS, Indexer
-from dsv4.model.layout import Layout, LayoutError
+from dsv4.model.layout import IGNORE, Layout, LayoutError
 from dsv4.model.losses import AuxLosses, acc, assemble_losses
 from dsv4.model.mhc import expand_streams, hc_head, mhc_parameters
 import dsv4.kernels as kernels
@@ -39,8 +39,6 @@ from dsv4.model.mtp import MTPBlock
 from dsv4.model.norm import RMSNorm
 from dsv4.model.precision import autocast_operands, cast_model
 from dsv4.model.recompute import checkpoint_block
-
-IGNORE = -100
 
 
 @dataclass
