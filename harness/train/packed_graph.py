@@ -39,10 +39,10 @@ from dsv4.model.packed_seq import PackedSeqError, copy_into, make_params
 
 def _check_capturable(model) -> None:
     """Refuse, naming the fix, what reads device values on the host inside the region: routed experts on the "loop"
-    GEMM (per-expert counts; "auto" means "loop" for non-bf16 expert weights)."""
-    from dsv4.model.moe import Experts
+    GEMM (per-expert counts; `moe.expert_gemm` resolves "auto", seen with the expert weights' dtype)."""
+    from dsv4.model.moe import Experts, expert_gemm
     for name, mod in model.named_modules():
-        if isinstance(mod, Experts) and (mod.gemm == "loop" or (mod.gemm == "auto" and mod.w13.dtype != torch.bfloat16)):
+        if isinstance(mod, Experts) and expert_gemm(mod.gemm, mod.w13, mod.w13) == "loop":
             raise PackedSeqError(f"PackedGraphStep: {name}.gemm {mod.gemm!r} reads the per-expert counts on the host, "
                                  "which a CUDA graph cannot; DSv4Model.set_expert_gemm('grouped' or 'dense')")
 
@@ -76,10 +76,10 @@ class PackedGraphStep:
             if tuple(t.shape) != self.shape:
                 raise PackedSeqError(f"PackedGraphStep.load: {name} shape {tuple(t.shape)} != the static "
                                      f"{self.shape}")
-        cup = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
-        if int(torch.as_tensor(cup)[-1]) > self.shape[0] * self.shape[1]:
-            raise PackedSeqError(f"PackedGraphStep.load: cu_seqlens_padded ends at {int(torch.as_tensor(cup)[-1])}, "
-                                 f"past the {self.shape[0] * self.shape[1]} slots")
+        end = int(torch.as_tensor(cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded)[-1])
+        if end > self.shape[0] * self.shape[1]:
+            raise PackedSeqError(f"PackedGraphStep.load: cu_seqlens_padded ends at {end}, past the "
+                                 f"{self.shape[0] * self.shape[1]} slots")
         copy_into(self.buf, make_params(cu_seqlens, cu_seqlens_padded), self.shape[1])   # a document fits one row
         self.ids.copy_(input_ids, non_blocking=True)
         self.labels.copy_(labels, non_blocking=True)
@@ -90,7 +90,10 @@ class PackedGraphStep:
         return self.model(self.ids, labels=self.labels, layout=layout, return_logits=False).loss
 
     def region(self) -> torch.Tensor:
-        """What the graph holds: `forward`, then the backward into .grad -> the loss (detached)."""
+        """What the graph holds: `forward`, then the backward into fresh .grad tensors (set to None first: under
+        capture they are allocated in the graph's pool) -> the loss (detached)."""
+        for q in self.params:
+            q.grad = None
         loss = self.forward()
         loss.backward()
         return loss.detach()
@@ -98,20 +101,14 @@ class PackedGraphStep:
     def step(self) -> torch.Tensor:
         """The loaded micro-batch's loss (under capture a static tensor, rewritten by the next step)."""
         if not self.capture:
-            for q in self.params:
-                q.grad = None
             return self.region()
         if self.graph is None:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):                                      # autotuning / compiles, not captured
                 for _ in range(self.warmup):
-                    for q in self.params:
-                        q.grad = None
                     self.region()
             torch.cuda.current_stream().wait_stream(side)
-            for q in self.params:
-                q.grad = None                                                  # allocated inside the graph's pool
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self.loss = self.region()
