@@ -223,7 +223,8 @@ class DSv4Attention(nn.Module):
         comp, eseg, ej, use_sel, want_loss, listed = self._merge(picks)
         sa_backend = ATTN_FWDS[self.attn_fwd] if backend == "triton" else backend
         fused = self.out_rope == "fused"            # the inverse RoPE of o inside the attention (OUT_ROPES)
-        o = sparse_attn(q, kv, comp, use_sel, self.attn_sink, self.window, self.ratio or 1, self.scale,
+        attn_sel = None if sa_backend == "triton" and self._lists_every_visible(layout, use_sel) else use_sel
+        o = sparse_attn(q, kv, comp, attn_sel, self.attn_sink, self.window, self.ratio or 1, self.scale,
                         seg, pos, eseg, ej, q0, return_lse=listed, backend=sa_backend,
                         out_rope=self.rope.tables(rq, q.dtype) if fused else None)  # [T, H, c]
         lse = None
@@ -306,6 +307,17 @@ class DSv4Attention(nn.Module):
                        use_sel=sel if mode != "dense" else None)                  # dense: all entries
         out["listed"] = out["want_loss"] and out["use_sel"] is not None and cfg.indexer_teacher == "joint"
         return out
+
+    def _lists_every_visible(self, layout: Layout, use_sel: torch.Tensor | None) -> bool:
+        """True when the top-k lists every entry each query can see: no document is longer than ratio x (k' + 1)
+        - 1 tokens (k' = the selection's width; a query at position p sees floor((p + 1) / m) entries, spec
+        §6.2), so every visible entry has a finite score and is among the k' listed. The Triton attention then
+        streams each query's contiguous visible range (MODE_ALL, as in HCA: queries of a program share the key
+        tiles, 4x fewer tiles and dKV atomics at H = 16) instead of gathering the listed rows one query at a time:
+        the same keys in another summation order. A host decision from the layout's host offsets (no sync);
+        unknown lengths (device offsets) keep the listed path."""
+        L = layout.longest_document
+        return use_sel is not None and L is not None and L // max(self.ratio, 1) <= use_sel.shape[-1]
 
     @staticmethod
     def _merge(picks):

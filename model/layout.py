@@ -172,10 +172,21 @@ class Layout:
     # (ratio, overlap, halo, row) -> kernels.compressor Slots (`compress_slots`); filled in eager code only. An
     # init field: a copy by dataclasses.replace (FSDP's input cast does one per wrapped module) carries the memo
     _slots: dict = field(default_factory=dict, repr=False)
+    # a static CUDA-graph buffer's layout (`from_static_buffer`): its offsets change between replays, so no host
+    # decision may read them
+    static: bool = False
+    # the longest document in tokens, from the host offsets (every document of the stream, not only this rank's
+    # piece under CP): a plain int that compiled code sees as a constant; None where the offsets live on the device
+    # or in a static buffer. Filled by __post_init__ when not given.
+    longest_document: int | None = None
 
     def __post_init__(self):
         if self.rope_pos is None:
             self.rope_pos = self.pos
+        cu = self.cu_seqlens
+        if self.longest_document is None and not self.static and cu is not None and cu.device.type == "cpu" \
+                and cu.numel() >= 2:
+            self.longest_document = int((cu[1:] - cu[:-1]).max())
 
     # ---------------------------------------------------------------- construction (the API edge)
     @classmethod
@@ -191,7 +202,7 @@ class Layout:
                 raise LayoutError(f"positions: shape {tuple(positions.shape)} != (S,) = {(S,)}")
             rope = positions.long().repeat(B)
         cu = torch.arange(B + 1) * S
-        return cls(seg, pos, (B, S), cu, None, rope)
+        return cls(seg, pos, (B, S), cu, None, rope, longest_document=S)
 
     @classmethod
     def packed(cls, cu_seqlens, shape: tuple[int, int], cu_seqlens_padded=None, device=None) -> "Layout":
@@ -224,7 +235,7 @@ class Layout:
         from .packed_seq import seg_pos_static
         B, S = shape
         seg, pos = seg_pos_static(buf, B * S)
-        return cls(seg, pos, (B, S), buf[0], buf[2])
+        return cls(seg, pos, (B, S), buf[0], buf[2], static=True)
 
     @classmethod
     def from_packed_seq_params(cls, psp, shape: tuple[int, int], device=None) -> "Layout":
