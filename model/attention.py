@@ -57,6 +57,10 @@ from .rope import RotaryTable, rope_table_name
 ATTN_FWDS = {"triton": "triton", "flashmla": "triton+flashmla", "flashmla+cudnn": "triton+flashmla+cudnn"}
 # DSv4Attention.out_rope (DSv4Model.set_out_rope): where o's inverse RoPE (spec §5.4) runs
 OUT_ROPES = ("fused", "separate")
+# DSv4Attention.all_picked (DSv4Model.set_all_picked): how the Triton attention reads a CSA selection that lists every
+# entry each query can see (`_lists_every_visible`): "contiguous" (default: each query's visible range, MODE_ALL) |
+# "listed" (the listed rows, gathered)
+ALL_PICKED = ("contiguous", "listed")
 
 
 class _GroupedOutProj(torch.autograd.Function):
@@ -145,6 +149,7 @@ class DSv4Attention(nn.Module):
         # the output's inverse RoPE (OUT_ROPES, DSv4Model.set_out_rope): "fused" (default) in the attention op
         # (backend "triton": in its kernels, only the rotated output kept) | "separate" (a RoPE op after it)
         self.out_rope = "fused"
+        self.all_picked = "contiguous"     # ALL_PICKED (DSv4Model.set_all_picked)
         self.kind = cfg.layer_kind(layer_idx)                  # 'window' | 'csa' | 'hca'
         self.ratio = cfg.compress_ratios[layer_idx]
         d, H, c, r = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
@@ -223,7 +228,8 @@ class DSv4Attention(nn.Module):
         comp, eseg, ej, use_sel, want_loss, listed = self._merge(picks)
         sa_backend = ATTN_FWDS[self.attn_fwd] if backend == "triton" else backend
         fused = self.out_rope == "fused"            # the inverse RoPE of o inside the attention (OUT_ROPES)
-        attn_sel = None if sa_backend == "triton" and self._lists_every_visible(layout, use_sel) else use_sel
+        contiguous = sa_backend == "triton" and self.all_picked == "contiguous"
+        attn_sel = None if contiguous and self._lists_every_visible(layout, use_sel) else use_sel
         o = sparse_attn(q, kv, comp, attn_sel, self.attn_sink, self.window, self.ratio or 1, self.scale,
                         seg, pos, eseg, ej, q0, return_lse=listed, backend=sa_backend,
                         out_rope=self.rope.tables(rq, q.dtype) if fused else None)  # [T, H, c]
@@ -361,4 +367,5 @@ class DSv4Attention(nn.Module):
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, kind={self.kind}, ratio={self.ratio}, backend={self.backend}" + (
             f", attn_fwd={self.attn_fwd}" if self.attn_fwd != "triton" else "") + (
-            f", out_rope={self.out_rope}" if self.out_rope != "fused" else "")
+            f", out_rope={self.out_rope}" if self.out_rope != "fused" else "") + (
+            f", all_picked={self.all_picked}" if self.all_picked != "contiguous" else "")

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from dsv4.model.attention import ATTN_FWDS, OUT_ROPES, DSv4Attention
+from dsv4.model.attention import ALL_PICKED, ATTN_FWDS, OUT_ROPES, DSv4Attention
 from dsv4.model.block import Block
 from dsv4.model.config import ConfigError, DSv4Config
 from dsv4.model.indexer import INDEXER_FWDS, Indexer
@@ -196,6 +196,19 @@ class DSv4Model(nn.Module):
         for m in self.modules():
             if isinstance(m, DSv4Attention):
                 m.out_rope = mode
+        return self
+
+    def set_all_picked(self, mode: str) -> "DSv4Model":
+        """How every CSA layer's Triton attention reads a selection that lists every entry each query can see (no
+        document longer than m (k + 1) - 1 tokens: DSv4Attention._lists_every_visible; `ALL_PICKED`):
+        "contiguous" (default: each query's visible range, as HCA does -- the queries of a program share the key
+        tiles) | "listed" (the listed rows, gathered one query at a time). The same keys; the summation order
+        differs. Other backends always read the listed rows."""
+        if mode not in ALL_PICKED:
+            raise ValueError(f"set_all_picked: unknown mode {mode!r}; known: {', '.join(ALL_PICKED)}")
+        for m in self.modules():
+            if isinstance(m, DSv4Attention):
+                m.all_picked = mode
         return self
 
     def set_indexer_fwd(self, mode: str) -> "DSv4Model":

@@ -224,8 +224,10 @@ def _compile_counters() -> dict:
 # -> (DSv4Model setter, default mode, the mode of a stored ours row without the field). Every ours row written since
 # the head_ce default became grad_in_forward (session 21) carries every field; older rows carry a field only where
 # it was not the default of their day: head_ce absent = "recompute", out_rope absent = "fused" (rows before c456743
-# ran the separate rotation, the only one then: compare rows of one call). HF rows have no switches.
-SWITCHES = {"head_ce": ("set_head_ce", "grad_in_forward", "recompute"), "out_rope": ("set_out_rope", "fused", "fused")}
+# ran the separate rotation, the only one then: compare rows of one call), all_picked absent = "listed" (rows before
+# session 24). HF rows have no switches.
+SWITCHES = {"head_ce": ("set_head_ce", "grad_in_forward", "recompute"), "out_rope": ("set_out_rope", "fused", "fused"),
+            "all_picked": ("set_all_picked", "contiguous", "listed")}
 DEFAULTS = tuple(d for _, d, _ in SWITCHES.values())
 
 
@@ -255,7 +257,7 @@ def _named(impl: str, sw: tuple) -> str:
 def ratios(results: list[dict]) -> dict:
     """tokens/s ratios between rows of one commit (git_sha) at the same tokens and batch: each ours_* row (any
     switch modes) over each HF peer and over its PAIRS partner of the same modes, and each row of non-default modes
-    (`--head-ce`, `--out-rope`) over the same impl's row one switch nearer the default (each such switch). Keys
+    (`--head-ce`, `--out-rope`, `--all-picked`) over the same impl's row one switch nearer the default (each such switch). Keys
     `<a>_over_<b>@<tokens>`, a row of non-default modes named `<a>[head_ce=<mode>]...` (`/b<batch>` appended
     where the rows hold several batches at those tokens)."""
     every, sha = {}, {}
@@ -499,22 +501,27 @@ def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: i
               help="Ours: comma list of where the attention output's inverse RoPE runs (fused | separate), one row "
                    "each (DSv4Model.set_out_rope; crossed with --head-ce); every ours row carries out_rope, a "
                    "non-default row a ratio over the default row.")
+@click.option("--all-picked", "all_picked", default="contiguous",
+              help="Ours: comma list of how a CSA selection listing every visible entry is read (contiguous | "
+                   "listed), one row each (DSv4Model.set_all_picked; crossed with the other switches); only rows "
+                   "whose documents are at most m (k + 1) - 1 tokens long take it (proxy: 2,051).")
 @click.option("--out", "out", default=None, type=click.Path(dir_okay=False),
               help="JSON written atomically after every row.")
 @click.option("--append", is_flag=True, help="Keep the rows already in --out (same impl/tokens/batch replaced).")
 @click.option("--smoke", is_flag=True, help="The debug config; on CPU (naive kernels) when no GPU is visible.")
 @click.option("--json", "as_json", is_flag=True)
 def bench_train_cmd(config, tokens, batch, steps, warmup, impls, backend, recompute_from, compile_, profile,
-                    doc_min, head_ce, out_rope, out, append, smoke, as_json):
+                    doc_min, head_ce, out_rope, all_picked, out, append, smoke, as_json):
     """Training tokens/s, peak memory and MFU of ours (eager, compiled, CUDA graphs, packed) vs Hugging Face
     DeepseekV4 (eager, compiled)."""
     from dsv4.harness.errors import BadInput
-    from dsv4.model.attention import OUT_ROPES
+    from dsv4.model.attention import ALL_PICKED, OUT_ROPES
     from dsv4.model.model import HEAD_CE
     toks, names = parse_args(tokens, batch, impls, steps, warmup, False)
     switch_modes = {}
     for flag, field, known, given in (("--head-ce", "head_ce", HEAD_CE, head_ce),
-                                      ("--out-rope", "out_rope", OUT_ROPES, out_rope)):
+                                      ("--out-rope", "out_rope", OUT_ROPES, out_rope),
+                                      ("--all-picked", "all_picked", ALL_PICKED, all_picked)):
         modes = tuple(m.strip() for m in given.split(",") if m.strip())
         bad = [m for m in modes if m not in known]
         if bad or not modes or len(set(modes)) != len(modes):

@@ -135,3 +135,6 @@ def test_csa_lists_every_visible_entry_streams_them_contiguously(lens, monkeypat
             assert rel(a, b) <= tol_g, f"{lens}: grad {n} rel err {rel(a, b):.3g}"
     assert torch.equal(s0, s1)
     assert abs(l0.item() - l1.item()) <= 1e-5 * abs(l0.item()) + 1e-7
+    attn.all_picked = "listed"                                     # DSv4Model.set_all_picked("listed"): never
+    attn(h, Layout.packed(cu, (1, T)), aux=AuxLosses(), backend="triton")
+    assert seen[-1] == ("triton", False)

@@ -239,18 +239,22 @@ def test_head_ce_modes_are_rows_with_a_ratio(tmp_path, monkeypatch):
 def test_rows_without_switch_fields_read_as_their_day_s_modes():
     """A stored ours row without head_ce ran "recompute" (the default before session 21): it is keyed apart from
     a grad_in_forward row and gets the non-default ratio; HF rows have no switches and pair with the default row."""
-    rows = [dict(impl="ours", tokens=64, batch=2, tokens_per_s=90.0),                       # old: recompute
-            dict(impl="ours", tokens=64, batch=2, tokens_per_s=100.0, head_ce="grad_in_forward", out_rope="fused"),
+    new = dict(head_ce="grad_in_forward", out_rope="fused", all_picked="contiguous")
+    rows = [dict(impl="ours", tokens=64, batch=2, tokens_per_s=90.0, all_picked="contiguous"),  # old: recompute
+            dict(impl="ours", tokens=64, batch=2, tokens_per_s=100.0, **new),
             dict(impl="hf_eager", tokens=64, batch=2, tokens_per_s=20.0)]
     assert len(bench.merge_results(rows[:1], rows[1:2])) == 2
     assert bench.ratios(rows) == {"ours_over_hf_eager@64": pytest.approx(5.0),
                                   "ours[head_ce=recompute]_over_hf_eager@64": pytest.approx(4.5),
                                   "ours[head_ce=recompute]_over_ours@64": pytest.approx(0.9)}
-    cg = dict(impl="ours_cudagraph", tokens=64, batch=2, tokens_per_s=180.0)           # old: recompute
+    cg = dict(impl="ours_cudagraph", tokens=64, batch=2, tokens_per_s=180.0, all_picked="contiguous")  # recompute
     assert bench.ratios(rows + [cg])["ours_cudagraph[head_ce=recompute]_over_ours[head_ce=recompute]@64"] == \
         pytest.approx(2.0)
     other = [dict(r, git_sha="b") if r["impl"] == "hf_eager" else dict(r, git_sha="a") for r in rows]
     assert bench.ratios(other) == {"ours[head_ce=recompute]_over_ours@64": pytest.approx(0.9)}   # one commit only
+    # a row of sessions 21-23 (head_ce, out_rope, no all_picked) read the listed CSA rows, the only way then
+    s23 = dict(impl="ours", tokens=64, batch=2, tokens_per_s=95.0, head_ce="grad_in_forward", out_rope="fused")
+    assert bench.ratios([s23, rows[1]]) == {"ours[all_picked=listed]_over_ours@64": pytest.approx(0.95)}
 
 
 def test_switch_modes_cross_into_rows_keyed_by_their_non_default_fields(tmp_path, monkeypatch):
