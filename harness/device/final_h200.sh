@@ -26,7 +26,9 @@
 #                     hf_eager 4K+16K, ours_cudagraph 4K+16K, hf_compile 4K (bench_ours_compile: ours_compile 4K),
 #                     bench_head_ce: ours 4K+16K once per head cross-entropy mode (--head-ce recompute,grad_in_forward:
 #                     DSv4Model.set_head_ce's A/B, a ratio per tokens), bench_out_rope: the same per output-RoPE
-#                     mode (--out-rope fused,separate: DSv4Model.set_out_rope's A/B),
+#                     mode (--out-rope fused,separate: DSv4Model.set_out_rope's A/B), bench_all_picked: ours 4K once per
+#                     all-visible CSA read (--all-picked contiguous,listed: DSv4Model.set_all_picked's A/B; 4K rows are
+#                     2,048-token documents, all picked at k 512),
 #                     ours_packed 16K (bench_packed, TR= too: 90 s cut it at ae3e91f), bench_packed_graph: ours_packed and
 #                     ours_packed_graph 16K (P11: the whole packed step as one captured CUDA graph), ours 64K + 128K B=1 with recompute (bench_long, TL= its limit,
 #                     150 s; LONGARGS= more bench flags, e.g. "--profile --recompute-from 131072": 64K without
@@ -107,6 +109,7 @@ elif [ "$WHAT" = speed ]; then
     bench_ours|bench_hf_eager) run $st $(left ${TR:-170}) "$BT $SM --tokens ${TOKS:-$T4,$T16} --batch 2 --impls ${st#bench_} --profile --append --out $OUT/bench_train.json" ;;
     bench_ours_cudagraph) run $st $(left ${TR:-170}) "$BT $SM --warmup 3 --tokens $T4,$T16 --batch 2 --impls ours_cudagraph --profile --append --out $OUT/bench_train.json" ;;
     bench_head_ce) run $st $(left ${TR:-170}) "$BT $SM --tokens ${TOKS:-$T4,$T16} --batch 2 --impls ours --head-ce recompute,grad_in_forward --append --out $OUT/bench_train.json" ;;
+    bench_all_picked) run $st $(left ${TR:-170}) "$BT $SM --tokens ${TOKS:-$T4} --batch 2 --impls ours --all-picked contiguous,listed --append --out $OUT/bench_train.json" ;;
     bench_out_rope) run $st $(left ${TR:-170}) "$BT $SM --tokens ${TOKS:-$T4,$T16} --batch 2 --impls ours --out-rope fused,separate --append --out $OUT/bench_train.json" ;;
     bench_packed) run $st $(left ${TR:-170}) "$BT $SM --tokens $T16 --batch 2 --impls ours_packed --profile --append --out $OUT/bench_train.json" ;;
     bench_packed_graph) run $st $(left ${TR:-170}) "$BT $SM --tokens $T16 --batch 2 --impls ours_packed,ours_packed_graph --profile --append --out $OUT/bench_train.json" ;;
