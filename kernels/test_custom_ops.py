@@ -51,6 +51,8 @@ def _cases():
     ang = torch.rand(S, 4, device=DEV) * 6.3                 # the output's fused inverse RoPE (r 8 of c 16)
     yield "sparse_attn_fwd", (_r(S, H, c), _r(S, c), _r(S // ratio, c), idx, _r(H), seg, pos, eseg, ej, 4, ratio,
                               0.25, 0, ang.cos(), ang.sin())
+    yield "sparse_attn_fwd", (_r(S, H, c), _r(S, c), _r(S // ratio, c), idx, _r(H), seg, pos, eseg, ej, 4, ratio,
+                              0.25, 0, None, None, True)     # the listed entries' probs as a third output
     if _flashmla_ready():       # backend "triton+flashmla": FlashMLA's forward needs bf16, H 64, c 512, SM90
         bf = torch.bfloat16
         yield "sparse_attn_flashmla_fwd", (_r(S, 64, 512, dtype=bf), _r(S, 512, dtype=bf),

@@ -28,8 +28,9 @@ Indexer loss (§10.3, `cfg.indexer_loss_mode`), computed in training mode on a C
               attention actually run; the top-k is still computed (recorded as the selection) but not used;
     "off":    no loss.
 In sparse mode with the "joint" teacher, the teacher is read off the attention itself: the sparse attention returns
-its log-sum-exp and `indexer.indexer_teacher_listed` re-scores only the k listed entries (kernel op
-`entry_probs`), instead of scoring window, entries and sink a second time in PyTorch.
+its log-sum-exp and its mass on each listed entry (the Triton forward keeps the picks' logits it formed anyway;
+elsewhere `indexer.indexer_teacher_listed` re-scores only the k listed entries, kernel op `entry_probs`), instead of
+scoring window, entries and sink a second time in PyTorch.
 The loss, coeff * KL(teacher || softmax(I)) (`indexer.indexer_teacher` / `indexer_kl_loss`), and the selection
 go to the forward's `AuxLosses` (model/losses.py), not to the module. The indexer sees detached inputs: its
 loss trains only the indexer and the LM loss never reaches it.
@@ -231,11 +232,11 @@ class DSv4Attention(nn.Module):
         contiguous = sa_backend == "triton" and self.all_picked == "contiguous"
         attn_sel = None if contiguous and self._lists_every_visible(layout, use_sel) else use_sel
         o = sparse_attn(q, kv, comp, attn_sel, self.attn_sink, self.window, self.ratio or 1, self.scale,
-                        seg, pos, eseg, ej, q0, return_lse=listed, backend=sa_backend,
+                        seg, pos, eseg, ej, q0, return_lse=listed, return_probs=listed, backend=sa_backend,
                         out_rope=self.rope.tables(rq, q.dtype) if fused else None)  # [T, H, c]
-        lse = None
+        lse = probs = None
         if listed:
-            o, lse = o                                                          # lse [T, H]
+            o, lse, probs = o             # lse [T, H]; probs [T, k]: the teacher's mass on the picks, or None
         sel = None
         if self.indexer is not None:
             rows = [p["selection"] for p in picks]
@@ -245,8 +246,8 @@ class DSv4Attention(nn.Module):
                 sel = _cat_selections(rows)
         loss = None
         if want_loss:
-            losses = [self._loss(p, cut(q, r), cut(kv, r), None if lse is None else cut(lse, r), ctxs[r], backend)
-                      for r, p in enumerate(picks)]
+            losses = [self._loss(p, cut(q, r), cut(kv, r), None if lse is None else cut(lse, r), ctxs[r], backend,
+                                 None if probs is None else cut(probs, r)) for r, p in enumerate(picks)]
             loss = losses[0] if B == 1 else _combine_losses(losses)
         if aux is not None and sel is not None:
             aux.add_selection(*sel)
@@ -339,9 +340,10 @@ class DSv4Attention(nn.Module):
             use_sel, eseg, ej = None, torch.cat([p["eseg"] for p in picks]), torch.cat([p["ej"] for p in picks])
         return comp, eseg, ej, use_sel, p0["want_loss"], p0["listed"]
 
-    def _loss(self, part, q, kv, lse, ctx, backend):
+    def _loss(self, part, q, kv, lse, ctx, backend, probs=None):
         """The indexer loss of one stream (`_select`'s record `part`, its queries q [T,H,c], keys kv [T',c], the
-        attention's lse [T,H] of those queries when the teacher is read off it) -> (mean, query count)."""
+        attention's lse [T,H] of those queries when the teacher is read off it, and its mass on the picks [T,k]
+        when the attention kernel formed it) -> (mean, query count)."""
         seg, pos, _, q0 = ctx
         cfg = self.cfg
         comp, eseg, ej, use_sel = part["comp"], part["eseg"], part["ej"], part["use_sel"]
@@ -355,7 +357,7 @@ class DSv4Attention(nn.Module):
             cand = use_sel >= 0                                                 # [T, k]
             if part["listed"]:      # joint: the attention's own probabilities of its listed entries
                 target = indexer_teacher_listed(q, comp, use_sel, lse, self.ratio, self.scale, seg, pos, eseg,
-                                                ej, q0, backend=backend)
+                                                ej, q0, backend=backend, probs=probs)
             else:
                 target = indexer_teacher(q, kv, comp, candidates_from_idx(use_sel, N), self.attn_sink,
                                          self.window, self.scale, cfg.indexer_teacher, seg, pos, q0,

@@ -174,12 +174,15 @@ def indexer_teacher(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor, cand:
 @torch.no_grad()
 def indexer_teacher_listed(q: torch.Tensor, comp: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor, ratio: int,
                            scale: float, seg: torch.Tensor, pos: torch.Tensor, entry_seg: torch.Tensor,
-                           entry_j: torch.Tensor, q_offset: int = 0, backend: str = "naive") -> torch.Tensor:
+                           entry_j: torch.Tensor, q_offset: int = 0, backend: str = "naive",
+                           probs: torch.Tensor | None = None) -> torch.Tensor:
     """The "joint" teacher over the listed entries (sparse mode) from the attention's own log-sum-exp:
     P[t,j] = sum_h exp(l[t,h,idx[t,j]] - lse[t,h]), L1-normalised over j (== `indexer_teacher` with teacher="joint"
     and idx, whose Z[t,h] is this lse, gathered at idx). lse [Tq,H] from `sparse_attn(..., return_lse=True)`, so
-    window keys and sink are not scored again; kernel op `entry_probs` -> P [Tq,k] fp32 (0 at -1)."""
-    P = entry_probs(q, comp, idx, lse, ratio, scale, seg, pos, entry_seg, entry_j, q_offset, backend=backend)
+    window keys and sink are not scored again; kernel op `entry_probs` -> P [Tq,k] fp32 (0 at -1), unless the
+    attention already returned this P (`probs`, `sparse_attn(..., return_probs=True)` on backend "triton")."""
+    P = probs if probs is not None else entry_probs(q, comp, idx, lse, ratio, scale, seg, pos, entry_seg, entry_j,
+                                                    q_offset, backend=backend)
     total = P.sum(dim=-1, keepdim=True)                                             # [Tq, k], 0 at -1
     return torch.where(total > 0, P / total.clamp_min(torch.finfo(P.dtype).tiny), torch.zeros_like(P))
 

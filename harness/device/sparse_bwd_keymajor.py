@@ -121,7 +121,7 @@ def check():
         idx = torch.where(torch.rand(idx.shape, generator=g) < 0.2, torch.full_like(idx, -1), idx)
         scale = c ** -0.5
         meta = (seg, pos, eseg, ej)
-        o, lse = O._sparse_attn_fwd(q, kv, comp, idx, sink, *meta, window, ratio, scale, 0)
+        o, lse, _ = O._sparse_attn_fwd(q, kv, comp, idx, sink, *meta, window, ratio, scale, 0)
         do = torch.randn(o.shape, generator=g)
         qa, kva, ca = (x.clone().requires_grad_() for x in (q, kv, comp))
         ref = sparse_attn(qa, kva, ca, idx, sink, window, ratio, scale, seg, pos, eseg, ej, backend="naive")
@@ -155,7 +155,7 @@ def ab():
     eseg, ej = torch.zeros(N, dtype=torch.long, device=dev), torch.arange(N, device=dev)
     scale = c ** -0.5
     meta = (seg, pos, eseg, ej)
-    o, lse = O._sparse_attn_fwd(q, kv, comp, idx, sink, *meta, window, ratio, scale, 0)
+    o, lse, _ = O._sparse_attn_fwd(q, kv, comp, idx, sink, *meta, window, ratio, scale, 0)
     do = torch.randn_like(o)
     res = {"S": S, "H": H, "c": c, "window": window, "ratio": ratio, "topk": k, "rows": []}
     args = (q, kv, comp, idx, sink, o, lse, do, meta, window, ratio, scale)

@@ -16,7 +16,8 @@ from dsv4.kernels.rope import rope_rows
 
 
 def sparse_attn(q, kv, comp, comp_idx, sink, window: int, ratio: int, scale: float, seg, pos, entry_seg=None,
-                entry_j=None, q_offset: int = 0, return_lse: bool = False, out_rope=None, backend: str = "naive"):
+                entry_j=None, q_offset: int = 0, return_lse: bool = False, out_rope=None, backend: str = "naive",
+                return_probs: bool = False):
     """q [Tq,H,c], kv [Tk,c], comp [N,c] | None, comp_idx [Tq,k] | None, sink [H], seg/pos [Tk], entry_seg /
     entry_j [N] -> o [Tq,H,c] (with return_lse: (o, lse [Tq,H])). See `naive.sparse_attn`; backends above.
 
@@ -27,17 +28,27 @@ def sparse_attn(q, kv, comp, comp_idx, sink, window: int, ratio: int, scale: flo
     pass takes delta = rowsum(O ∘ dO) from the rotated pair (the rotation's adjoint gives the same) and rotates
     dO's last r dims forward into the dO the kernel reads (which then does not read O). The other backends run
     kernels/rope's `rope_rows` on the output (its own "naive" / "triton" backend), the same math; so does "triton"
-    when c - r is odd (the kernels' pairs are (2i, 2i+1) of the whole row, the rotation's start at c - r)."""
+    when c - r is odd (the kernels' pairs are (2i, 2i+1) of the whole row, the rotation's start at c - r).
+
+    return_probs (with return_lse): a third element, the attention's mass on each listed entry summed over heads
+    [Tq,k] fp32 (= `entry_probs(q, comp, comp_idx, lse, ...)`), which backend "triton" forms from its forward's
+    own logits of the picks (no second pass over them); None from the other backends and without comp_idx (the
+    caller then calls `entry_probs`)."""
     fn = get_op("sparse_attn", backend, q.device)
+    probs = return_lse and return_probs and backend == "triton"
+    more = {"return_probs": True} if probs else {}
     if out_rope is not None and backend == "triton" and (q.shape[-1] - 2 * out_rope[0].shape[-1]) % 2 == 0:
-        return fn(q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_offset,
-                  return_lse, out_rope=out_rope)
-    out = fn(q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_offset, return_lse)
-    if out_rope is None:
-        return out
-    o, lse = out if return_lse else (out, None)
-    o = rope_rows(o, out_rope[0], out_rope[1], True, backend="naive" if backend == "naive" else "triton")
-    return (o, lse) if return_lse else o
+        out = fn(q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_offset,
+                 return_lse, out_rope=out_rope, **more)
+        return out + (None,) if return_lse and return_probs and not probs else out
+    out = fn(q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_offset, return_lse,
+             **more)
+    o, lse, p = (out + (None,))[:3] if return_lse else (out, None, None)
+    if out_rope is not None:
+        o = rope_rows(o, out_rope[0], out_rope[1], True, backend="naive" if backend == "naive" else "triton")
+    if not return_lse:
+        return o
+    return (o, lse, p) if return_probs else (o, lse)
 
 
 def entry_probs(q, comp, comp_idx, lse, ratio: int, scale: float, seg, pos, entry_seg, entry_j, q_offset: int = 0,

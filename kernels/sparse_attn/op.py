@@ -34,13 +34,16 @@ Tensor = torch.Tensor
 def _sparse_attn_fwd(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optional[Tensor], sink: Tensor,
                      seg: Tensor, pos: Tensor, entry_seg: Optional[Tensor], entry_j: Optional[Tensor],
                      window: int, ratio: int, scale: float, q_off: int, rope_cos: Optional[Tensor] = None,
-                     rope_sin: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """-> (o [Tq,H,c] q.dtype, lse [Tq,H] fp32, log2 units); with rope_cos / rope_sin [Tq, r/2] o's last r dims
-    rotated back by them (the output's inverse RoPE, fused)."""
+                     rope_sin: Optional[Tensor] = None, want_probs: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (o [Tq,H,c] q.dtype, lse [Tq,H] fp32, log2 units, probs); with rope_cos / rope_sin [Tq, r/2] o's last r
+    dims rotated back by them (the output's inverse RoPE, fused). probs: with want_probs and listed entries the
+    attention's mass on each listed entry summed over heads [Tq, k] fp32 (`entry_probs`, from the forward's own
+    logits), else an empty [0] tensor."""
     ctx = FnCtx()
     o = T._SparseAttn.forward(ctx, q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg,
-                              entry_j, q_off, rope_cos, rope_sin)
-    return o, ctx.saved_tensors[6]
+                              entry_j, q_off, rope_cos, rope_sin, want_probs)
+    probs = ctx.probs if ctx.probs is not None else q.new_empty(0, dtype=torch.float32)
+    return o, ctx.saved_tensors[6], probs
 
 
 sparse_attn_fwd = torch.library.custom_op("dsv4::sparse_attn_fwd", mutates_args=())(_sparse_attn_fwd)
@@ -48,8 +51,10 @@ sparse_attn_fwd = torch.library.custom_op("dsv4::sparse_attn_fwd", mutates_args=
 
 @sparse_attn_fwd.register_fake
 def _(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, window, ratio, scale, q_off, rope_cos=None,
-      rope_sin=None):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+      rope_sin=None, want_probs=False):
+    probs = q.new_empty((q.shape[0], comp_idx.shape[-1]) if want_probs and comp is not None and comp.shape[0] > 0
+                        and comp_idx is not None else (0,), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32), probs
 
 
 def _ctx(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, window, ratio, scale, q_off,
@@ -93,12 +98,13 @@ def _(do, q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, win
 def _setup(ctx, inputs, output):
     q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, window, ratio, scale, q_off = inputs[:13]
     cos, sin = (tuple(inputs[13:15]) + (None, None))[:2]              # the fused output rotation's tables
-    ctx.save_for_backward(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, *output, cos, sin)
+    o, lse = output[:2]                                               # (probs: no gradient, not kept)
+    ctx.save_for_backward(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, cos, sin)
     ctx.args = (int(window), int(ratio), float(scale), int(q_off))
     ctx.comp_none, ctx.n_inputs = comp is None, len(inputs)
 
 
-def _backward(ctx, do, _dlse):
+def _backward(ctx, do, _dlse, _dprobs=None):
     q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, cos, sin = ctx.saved_tensors
     bwd = backward_op(ctx, sparse_attn_bwd, _sparse_attn_bwd)
     dq, dkv, dcomp, dsink = bwd(do, q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, o, lse, *ctx.args,
@@ -111,17 +117,26 @@ _sparse_attn = autograd_op(sparse_attn_fwd, _sparse_attn_fwd, _setup, _backward)
 
 def sparse_attn(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optional[Tensor], sink: Tensor,
                 window: int, ratio: int, scale: float, seg: Tensor, pos: Tensor, entry_seg: Optional[Tensor] = None,
-                entry_j: Optional[Tensor] = None, q_offset: int = 0, return_lse: bool = False, out_rope=None):
+                entry_j: Optional[Tensor] = None, q_offset: int = 0, return_lse: bool = False, out_rope=None,
+                return_probs: bool = False):
     """Triton sparse attention as a custom op; same contract as `naive.sparse_attn` / `triton.sparse_attn`
-    (return_lse: also the log-sum-exp [Tq,H] in natural log, no gradient). out_rope (cos, sin) [Tq, r/2]: the
-    output's last r dims rotated back by them inside the kernel (kernels/sparse_attn/__init__.py)."""
+    (return_lse: also the log-sum-exp [Tq,H] in natural log, no gradient; with return_probs as well, a third
+    element: `entry_probs` of the listed entries [Tq,k] fp32 from the forward's own logits, None without listed
+    entries). out_rope (cos, sin) [Tq, r/2]: the output's last r dims rotated back by them inside the kernel
+    (kernels/sparse_attn/__init__.py)."""
     naive.check_args(q, kv, comp, comp_idx, sink, window, ratio, seg, pos, entry_seg, entry_j, q_offset)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    rot = () if out_rope is None else (out_rope[0].detach(), out_rope[1].detach())
-    o, lse2 = _sparse_attn(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, int(window),
-                           int(ratio or 0), float(scale), int(q_offset), *rot)
-    return (o, lse2.detach() * math.log(2.0)) if return_lse else o
+    cos, sin = (None, None) if out_rope is None else (out_rope[0].detach(), out_rope[1].detach())
+    want = bool(return_lse and return_probs)
+    o, lse2, probs = _sparse_attn(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, int(window),
+                                  int(ratio or 0), float(scale), int(q_offset), cos, sin, want)
+    if not return_lse:
+        return o
+    lse = lse2.detach() * math.log(2.0)
+    if not return_probs:
+        return o, lse
+    return o, lse, (probs.detach() if want and probs.dim() == 2 else None)
 
 
 # ------------------------------------------------------------- backend "triton+flashmla": FlashMLA's forward

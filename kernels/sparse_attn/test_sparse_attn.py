@@ -157,7 +157,7 @@ def test_fused_output_rope_backward_needs_the_unrotated_do():
     cos, sin = _tables(q.shape[0], 8, 1.0, torch.Generator(device=DEV).manual_seed(9))
     m = (meta["seg"], meta["pos"], meta["entry_seg"], meta["entry_j"])
     args = (q.detach(), kv.detach(), comp.detach(), idx, sink.detach(), *m, TINY["window"], 3, 24 ** -0.5, 0)
-    o, lse = O._sparse_attn_fwd(*args, cos, sin)
+    o, lse, _ = O._sparse_attn_fwd(*args, cos, sin)
     do = torch.randn_like(o)
     bwd = lambda c, s: O._sparse_attn_bwd(do, *args[:9], o, lse, TINY["window"], 3, 24 ** -0.5, 0, c, s)
     right, wrong = bwd(cos, sin)[0], bwd(torch.ones_like(cos), torch.zeros_like(sin))[0]
@@ -178,7 +178,9 @@ def test_no_key_but_sink_is_defined():
 @pytest.mark.parametrize("shape", ["tiny"] + (["real"] if CUDA else []))
 def test_entry_probs_triton_matches_naive(shape, layout):
     """The attention's mass on its listed entries (the indexer's joint teacher, from the forward's lse): Triton
-    == naive, and the naive one == exp(l - lse) summed over heads, formed directly from the attention's logits."""
+    == naive, and the naive one == exp(l - lse) summed over heads, formed directly from the attention's logits.
+    The Triton forward's own P (`return_probs`: the picks' logits it stored, summed against its final lse) == the
+    same; the other backends return None (the caller runs `entry_probs`)."""
     sh = TINY if shape == "tiny" else REAL
     lens, pads, q_off = LAYOUTS[layout]
     ratio, k = (3, 4) if shape == "tiny" else (4, 512)
@@ -194,6 +196,11 @@ def test_entry_probs_triton_matches_naive(shape, layout):
               q_offset=q_off)
     want = entry_probs(q, comp, idx, lse, ratio, scale, **em, backend="naive")
     got = entry_probs(q, comp, idx, lse_t, ratio, scale, **em, backend="triton")
+    o_f, lse_f, fwd = sparse_attn(q, kv, comp, idx, sink, sh["window"], ratio, scale, **meta, return_lse=True,
+                                  return_probs=True, backend="triton")
+    assert torch.equal(o_f, o_t) and torch.equal(lse_f, lse_t)        # storing the logits changes nothing else
+    assert sparse_attn(q, kv, comp, idx, sink, sh["window"], ratio, scale, **meta, return_lse=True,
+                       return_probs=True, backend="naive")[2] is None
     # an independent oracle: the probabilities of one softmax over (window logits, listed logits, sink)
     if shape == "tiny":
         Tq, H, _ = q.shape
@@ -209,5 +216,8 @@ def test_entry_probs_triton_matches_naive(shape, layout):
         assert (want[idx < 0] == 0).all() and (got[idx < 0] == 0).all()
         assert_close("lse", lse_t, lse, 2e-5, 1e-5)           # same bounds as o (summation order only)
         assert_close("entry_probs", got, want, 2e-5, 1e-5)
+        assert (fwd[idx < 0] == 0).all()
+        assert_close("forward's entry probs", fwd, want, 2e-5, 1e-5)  # same bounds (summation order only)
     else:                                          # bf16 QK products on the GPU
         assert_rel("entry_probs", got, want, 2e-2)
+        assert_rel("forward's entry probs", fwd, want, 2e-2)

@@ -92,7 +92,7 @@ def _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PREC)   # V = K
-    return m_new, l_i, acc
+    return m_new, l_i, acc, s
 
 
 @triton.jit
@@ -197,11 +197,11 @@ def _out_rope_bwd_prep(O, DO, DOU, DELTA, COS, SIN, so_s, so_h, sl_s, s_cs, TQ, 
 
 @triton.autotune(**_FWD_CONFIGS, key=["H", "BD", "MODE", "HB", "ROT"])
 @triton.jit
-def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EHI, COS, SIN,
-                     sq_s, sq_h, skv_s, sc_s, si_s, so_s, so_h, sl_s, s_cs,
+def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EHI, COS, SIN, S_OUT,
+                     sq_s, sq_h, skv_s, sc_s, si_s, so_s, so_h, sl_s, s_cs, ss_t,
                      TQ, H, NSEL, window, ratio, qk_scale, q_off,
                      C: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr,
-                     ROT: tl.constexpr, RD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
+                     ROT: tl.constexpr, RD: tl.constexpr, STORE_S: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
     t0 = tl.program_id(0).to(tl.int64) * (BH // HB)            # BH // HB = QB queries per program (constexpr)
     rows = tl.arange(0, BH)
     qi = rows // HB                                             # [BH] each row's query (t0 + qi) and head
@@ -228,7 +228,7 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EH
         valid = _window_mask(SEG, POS, offs_n, u_hi, u, seg_u, pos_u, u0, seg0, pos0, window, BH == HB)
         k = tl.load(KV + offs_n[:, None] * skv_s + offs_d[None, :], mask=(offs_n <= u_hi)[:, None] & dmask[None, :],
                     other=0.0)
-        m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
+        m_i, l_i, acc, _s = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
     if MODE == 1:                                               # CSA: gathered top-k entries, one query at a time
         for j in range(0, BH // HB):                    # a loop: unrolled, it spilled 3x more
             tj = t0 + j
@@ -244,7 +244,10 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EH
                     valid = valid & (qi == j)[:, None]
                 k = tl.load(COMP + idx[:, None] * sc_s + offs_d[None, :], mask=(idx >= 0)[:, None] & dmask[None, :],
                             other=0.0)
-                m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
+                m_i, l_i, acc, s = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
+                if STORE_S:                                     # the picks' logits (log2 units, -inf: not visible)
+                    tl.store(S_OUT + tj * ss_t + offs_n[None, :] * H + offs_h[:, None], s,
+                             mask=rmask[:, None] & (qi == j)[:, None] & (offs_n < n_j)[None, :])
     if MODE == 2:                                               # HCA: every visible entry, the union of the ranges
         if BH == HB:
             e_lo = tl.load(ELO + t0)
@@ -257,7 +260,7 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EH
             valid = _entry_mask(ESEG, EJ, offs_n, offs_n < e_hi, seg_u, pos_u, seg0, pos0, ratio, BH == HB)
             k = tl.load(COMP + offs_n[:, None] * sc_s + offs_d[None, :], mask=(offs_n < e_hi)[:, None] & dmask[None, :],
                         other=0.0)
-            m_i, l_i, acc = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
+            m_i, l_i, acc, _s = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
     o = acc / l_i[:, None]
     if ROT:                                                     # the output rotated back by the query position
         o = _rotate_rows(o, COS, SIN, tq, t0, rmask, s_cs, -1.0, C, RD, BH, BD, BH == HB)
@@ -477,7 +480,10 @@ def _out_rope(q, rope_cos, rope_sin):
 class _SparseAttn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_off,
-                rope_cos=None, rope_sin=None):
+                rope_cos=None, rope_sin=None, want_probs=False):
+        """want_probs: with listed entries (comp_idx), also `ctx.probs` = `entry_probs` of this call [Tq, k] fp32
+        from the logits the forward formed anyway (stored [Tq, k, H] fp32, then summed over heads against the
+        final lse): the indexer's joint teacher without a second pass over the picks. Otherwise ctx.probs None."""
         q, kv = q.contiguous(), kv.contiguous()
         Tq, H, C = q.shape
         mode, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, elo, ehi = prepare(
@@ -485,12 +491,16 @@ class _SparseAttn(torch.autograd.Function):
         cs, sn, rd = _out_rope(q, rope_cos, rope_sin)
         o = torch.empty_like(q)
         lse = torch.empty(Tq, H, device=q.device, dtype=torch.float32)
+        store = bool(want_probs) and mode == MODE_IDX
+        s_out = torch.empty(Tq, nsel, H, device=q.device, dtype=torch.float32) if store else lse   # [Tq, k, H]
         hb = _heads(q, H, _FWD_BH)
         _sparse_attn_fwd[_grid(Tq, H, hb)](
-            q, kv, comp_t, idx_t, sink.contiguous(), o, lse, seg, pos, eseg, ej, elo, ehi, cs, sn,
+            q, kv, comp_t, idx_t, sink.contiguous(), o, lse, seg, pos, eseg, ej, elo, ehi, cs, sn, s_out,
             q.stride(0), q.stride(1), kv.stride(0), comp_t.stride(0), idx_t.stride(0), o.stride(0), o.stride(1),
-            lse.stride(0), cs.stride(0), Tq, H, nsel, int(window), ratio, float(scale) * LOG2E, int(q_off),
-            C=C, MODE=mode, PREC=_prec(q), BD=pow2(C), HB=hb, ROT=rd > 0, RD=max(rd, 2))
+            lse.stride(0), cs.stride(0), nsel * H, Tq, H, nsel, int(window), ratio, float(scale) * LOG2E, int(q_off),
+            C=C, MODE=mode, PREC=_prec(q), BD=pow2(C), HB=hb, ROT=rd > 0, RD=max(rd, 2), STORE_S=store)
+        # P[t, j] = sum_h 2^(s[t, j, h] - lse[t, h])   (log2 units; -inf logits give 0), in place over s
+        ctx.probs = torch.exp2_(s_out.sub_(lse[:, None, :])).sum(-1) if store else None
         ctx.save_for_backward(q, kv, comp_t, idx_t, sink, o, lse, seg, pos, eseg, ej, elo, ehi, cs, sn)
         ctx.cfg = (mode, nsel, int(window), ratio, float(scale), int(q_off), rd)
         ctx.comp_none = comp is None
@@ -523,7 +533,7 @@ class _SparseAttn(torch.autograd.Function):
         p_sink = torch.exp2(sink.float() * LOG2E - lse)
         dsink = -(p_sink * delta).sum(0).to(sink.dtype)
         dcomp_out = None if ctx.comp_none else (dcomp.to(comp_t.dtype) if has_comp else None)
-        return (dq, dkv.to(kv.dtype), dcomp_out, None, dsink) + (None,) * 10
+        return (dq, dkv.to(kv.dtype), dcomp_out, None, dsink) + (None,) * 11
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor | None, comp_idx: torch.Tensor | None,
