@@ -8,7 +8,8 @@
 #   3. the GPU tests of session 23's changes, cut at NEW_TIMEOUT: kernels/cross_entropy (the head's dW blocks written /
 #      added by the GEMM in fp32, `_dw_add`) and slices/P11 (a packed step captured as one CUDA graph and replayed per
 #      micro-batch: `PackedGraphStep`), slices/D1/test_backend_triton.py (session 24: an all-visible CSA selection read
-#      contiguously, `DSv4Attention._lists_every_visible`, against the naive listed path); session 22's set, with the opchecks and the mHC residual, passed on an H100 at
+#      contiguously, `DSv4Attention._lists_every_visible`, against the naive listed path) and the forward's own
+#      entry probs (`return_probs`, the picks' logits stored by the forward kernel); session 22's set, with the opchecks and the mHC residual, passed on an H100 at
 #      c7824ba: goldens/h100/D3/pytest_gpu_session22_c7824ba.log,
 #   4. the sparse-attention GPU tests, cut at TEST_TIMEOUT (the file takes more than 150 s on a
 #      cold cache); the default limits, 180 + 220 + 80 + 100 s, fit one 600-s call.
@@ -36,7 +37,8 @@ step() { local n=$1 name=$2 t=$3; shift 3; case " ${SKIP-1} " in *" $n "*) retur
 step 1 keymajor "${KM_TIMEOUT:-180}" "python3 harness/device/sparse_bwd_keymajor.py ab"
 step 2 profile "${PROF_TIMEOUT:-220}" "python3 -m dsv4.harness.train.profile_step --tokens ${TOKENS:-16384} --batch 2 --by-source --traffic --out $OUT"
 step 3 pytest_new "${NEW_TIMEOUT:-80}" "python3 -m pytest -q -p no:cacheprovider kernels/cross_entropy/test_cross_entropy.py \
-  slices/P11/test_packed_graph.py slices/D1/test_backend_triton.py"
+  slices/P11/test_packed_graph.py slices/D1/test_backend_triton.py \
+  kernels/sparse_attn/test_sparse_attn.py::test_entry_probs_triton_matches_naive"
 step 4 pytest_sparse_attn "${TEST_TIMEOUT:-100}" "python3 -m pytest -q -p no:cacheprovider kernels/sparse_attn/test_sparse_attn.py"
 python3 - "$OUT/sparse_bwd_keymajor.json" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
