@@ -164,6 +164,19 @@ def test_fused_output_rope_backward_needs_the_unrotated_do():
     assert (right - wrong).abs().max() > 100 * 5e-5
 
 
+def test_forward_probs_stay_off_past_their_memory_cap(monkeypatch):
+    """`return_probs` stores [Tq, k, H] fp32 logits; past triton._STORE_S_BYTES the forward stores nothing and
+    returns None, so the caller falls back to `entry_probs` (o and lse unchanged)."""
+    from dsv4.kernels.sparse_attn import triton as T
+    (q, kv, comp, idx, sink), meta = _case("csa", [5, 11, 2, 9], [2, 0, 3, 1], 0, **TINY, ratio=3, k=4)
+    args = (q, kv, comp, idx, sink, TINY["window"], 3, 24 ** -0.5)
+    o, lse, p = sparse_attn(*args, **meta, return_lse=True, return_probs=True, backend="triton")
+    assert p is not None and p.shape == idx.shape
+    monkeypatch.setattr(T, "_STORE_S_BYTES", p.numel() * q.shape[1] * 4 - 1)
+    o2, lse2, p2 = sparse_attn(*args, **meta, return_lse=True, return_probs=True, backend="triton")
+    assert p2 is None and torch.equal(o2, o) and torch.equal(lse2, lse)
+
+
 def test_no_key_but_sink_is_defined():
     """Query 0 of an HCA layer sees one window key and no entry; the sink alone must not give NaN; padding
     queries see only the sink (output 0)."""

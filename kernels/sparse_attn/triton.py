@@ -53,6 +53,9 @@ MODE_NONE, MODE_IDX, MODE_ALL = 0, 1, 2
 # BH = 16 = one query a program (M = 16 mma.sync tiles): the CSA picks are per query, and in a several-query
 # program each query's pick tiles run the whole BH-row dot with the other rows masked (4x the MMA work at QB = 4).
 _FWD_BH, _BWD_BH, _CPU_BH = 64, 32, 16
+# The largest transient [Tq, k, H] fp32 logits buffer the forward stores for `return_probs` (4 GiB: `proxy` up to 128K
+# tokens; DSv4-Flash's H 64 up to 32K a call); a larger call leaves the probabilities to `entry_probs`' second pass
+_STORE_S_BYTES = 1 << 32
 
 
 def _bh_at_least_hb(cfgs, args):
@@ -483,7 +486,8 @@ class _SparseAttn(torch.autograd.Function):
                 rope_cos=None, rope_sin=None, want_probs=False):
         """want_probs: with listed entries (comp_idx), also `ctx.probs` = `entry_probs` of this call [Tq, k] fp32
         from the logits the forward formed anyway (stored [Tq, k, H] fp32, then summed over heads against the
-        final lse): the indexer's joint teacher without a second pass over the picks. Otherwise ctx.probs None."""
+        final lse): the indexer's joint teacher without a second pass over the picks. Otherwise, or when the
+        stored logits would pass _STORE_S_BYTES, ctx.probs None (the caller runs `entry_probs`)."""
         q, kv = q.contiguous(), kv.contiguous()
         Tq, H, C = q.shape
         mode, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, elo, ehi = prepare(
@@ -491,7 +495,7 @@ class _SparseAttn(torch.autograd.Function):
         cs, sn, rd = _out_rope(q, rope_cos, rope_sin)
         o = torch.empty_like(q)
         lse = torch.empty(Tq, H, device=q.device, dtype=torch.float32)
-        store = bool(want_probs) and mode == MODE_IDX
+        store = bool(want_probs) and mode == MODE_IDX and Tq * nsel * H * 4 <= _STORE_S_BYTES
         s_out = torch.empty(Tq, nsel, H, device=q.device, dtype=torch.float32) if store else lse   # [Tq, k, H]
         hb = _heads(q, H, _FWD_BH)
         _sparse_attn_fwd[_grid(Tq, H, hb)](
