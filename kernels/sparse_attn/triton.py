@@ -435,6 +435,22 @@ def entry_probs(q, comp, comp_idx, lse, ratio, scale, seg, pos, entry_seg, entry
     return p
 
 
+_PROB_ROWS = 64      # (query, pick) rows a program of `_picks_probs`
+
+
+@triton.jit
+def _picks_probs(S, LSE, P, NSEL, R, H, sl_s, BR: tl.constexpr, BHP: tl.constexpr):
+    """P[r] = sum_h 2^(S[r, h] - lse[r // NSEL, h]) for BR rows r = (query, pick) of the forward's stored logits
+    S [Tq * NSEL, H] (log2 units, -inf where not visible): one read of S."""
+    r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    rm = r < R
+    h = tl.arange(0, BHP)
+    m = rm[:, None] & (h < H)[None, :]
+    s = tl.load(S + r[:, None] * H + h[None, :], mask=m, other=float("-inf"))
+    lse = tl.load(LSE + (r // NSEL)[:, None] * sl_s + h[None, :], mask=m, other=0.0)
+    tl.store(P + r, tl.sum(tl.exp2(s - lse), 1), mask=rm)
+
+
 # ------------------------------------------------------------------------------------------------ driver
 def _prec(x):
     """fp32 inputs: exact fp32 products ("ieee", tests); bf16/fp16: tensor cores (the flag is ignored)."""
@@ -503,8 +519,13 @@ class _SparseAttn(torch.autograd.Function):
             q.stride(0), q.stride(1), kv.stride(0), comp_t.stride(0), idx_t.stride(0), o.stride(0), o.stride(1),
             lse.stride(0), cs.stride(0), nsel * H, Tq, H, nsel, int(window), ratio, float(scale) * LOG2E, int(q_off),
             C=C, MODE=mode, PREC=_prec(q), BD=pow2(C), HB=hb, ROT=rd > 0, RD=max(rd, 2), STORE_S=store)
-        # P[t, j] = sum_h 2^(s[t, j, h] - lse[t, h])   (log2 units; -inf logits give 0), in place over s
-        ctx.probs = torch.exp2_(s_out.sub_(lse[:, None, :])).sum(-1) if store else None
+        ctx.probs = None
+        if store:           # P[t, j] = sum_h 2^(s[t, j, h] - lse[t, h])   (log2 units; -inf logits give 0)
+            ctx.probs = torch.empty(Tq, nsel, device=q.device, dtype=torch.float32)
+            R = Tq * nsel
+            if R:
+                _picks_probs[(triton.cdiv(R, _PROB_ROWS),)](s_out, lse, ctx.probs, nsel, R, H, lse.stride(0),
+                                                          BR=_PROB_ROWS, BHP=pow2(H, 2), num_warps=4)
         ctx.save_for_backward(q, kv, comp_t, idx_t, sink, o, lse, seg, pos, eseg, ej, elo, ehi, cs, sn)
         ctx.cfg = (mode, nsel, int(window), ratio, float(scale), int(q_off), rd)
         ctx.comp_none = comp is None
