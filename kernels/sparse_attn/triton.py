@@ -24,6 +24,10 @@ on the metadata gathers (two levels of indirection stall the software pipeline).
 (window rows are contiguous, CSA rows are gathered by index, HCA rows are contiguous), online softmax in the exp2 domain,
 seeded with the sink (running max = sink, running sum = 1), so a query with no key is well defined.
 
+The indexer's joint teacher (`return_probs`, op.py): with listed entries the forward also stores each pick's logits
+[Tq, k, H] fp32 (STORE_S; -inf where not visible) and `_picks_probs` sums 2^(s - lse) over the heads once the
+final lse is known: `entry_probs` without a second gather of the picks (up to _STORE_S_BYTES of logits).
+
 Backward (one fused kernel, FA2 style with the stored log-sum-exp): per key tile recompute P, dP = dO Vᵀ,
 dS = P (dP - delta) * scale; dQ += dS K stays in registers; dKV_tile = dSᵀ Q + Pᵀ dO (K = V, the heads of the
 block reduced inside the tile) goes to fp32 buffers through atomic adds (non-deterministic summation order).
