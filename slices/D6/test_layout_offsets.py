@@ -59,6 +59,23 @@ def test_static_buffer_equals_the_document_walk():
     assert (seg.tolist(), pos.tolist()) == _oracle(cu, 14, cup)
 
 
+def test_longest_document_from_the_host_offsets_only():
+    """Layout.longest_document (the all-visible CSA read's host decision, DSv4Attention._lists_every_visible): the
+    longest real document of the walk (padding and zero-length documents aside), S for a plain batch, and None where
+    the offsets are a static CUDA-graph buffer (rewritten between replays) or absent; carried by a dataclass copy."""
+    import dataclasses
+    g = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        cu, cup, T = _random_offsets(g, 1 + trial % 7, trial % 2 == 1, trial % 4 == 3)
+        lay = Layout.packed(torch.tensor(cu), (1, T), None if cup is None else torch.tensor(cup))
+        assert lay.longest_document == max(b - a for a, b in zip(cu[:-1], cu[1:]))
+        assert dataclasses.replace(lay).longest_document == lay.longest_document
+    assert Layout.batch(3, 17).longest_document == 17
+    buf = torch.tensor([[0, 3, 8, 8]] * 4, dtype=torch.int32)
+    assert Layout.from_static_buffer(buf, (1, 8)).longest_document is None
+    assert Layout(torch.zeros(4, dtype=torch.long), torch.arange(4), (1, 4)).longest_document is None
+
+
 def test_rows_of_a_batch_and_the_checks():
     # two rows of 8: docs 0, 1 in row 0 (1 ends at 7), doc 2 in row 1, a zero-length doc at the row boundary
     lay = Layout.packed(torch.tensor([0, 3, 8, 8, 13]), (2, 8))
