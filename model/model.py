@@ -50,6 +50,13 @@ class DSv4Output:
     aux: AuxLosses | None = None                 # this forward's auxiliary losses and indexer selections
 
 
+def _check_mode(mode: str, known, setter: str) -> str:
+    """`mode` if it is one of `known`, else a ValueError naming the setter and the known modes."""
+    if mode not in known:
+        raise ValueError(f"{setter}: unknown mode {mode!r}; known: {', '.join(known)}")
+    return mode
+
+
 class DSv4Model(nn.Module):
     def __init__(self, cfg: DSv4Config):
         super().__init__()
@@ -170,20 +177,23 @@ class DSv4Model(nn.Module):
                 m.backend = backend
         return self
 
+    def _set_on(self, kind: type, attr: str, mode: str) -> "DSv4Model":
+        """Set `attr` = mode on every submodule of class `kind` (the per-layer switches below)."""
+        for m in self.modules():
+            if isinstance(m, kind):
+                setattr(m, attr, mode)
+        return self
+
     def set_attn_fwd(self, mode: str) -> "DSv4Model":
         """The sparse attention's forward on the "triton" kernel backend, every attention layer: "triton" (default)
         | "flashmla" (deepseek-ai/FlashMLA's SM90 sparse prefill forward + our Triton backward wherever the call
         qualifies -- flash_mla importable, SM90, bf16, H 64 / 128, head_dim 512 --, the Triton forward elsewhere;
         kernels/sparse_attn/flashmla.py) | "flashmla+cudnn" (the same forward + NVIDIA cudnn-frontend's SM90 DSA
         backward, kernels/sparse_attn/cudnn_bwd.py). Resolved now (the imports), before any torch.compile trace."""
-        if mode not in ATTN_FWDS:
-            raise ValueError(f"set_attn_fwd: unknown mode {mode!r}; known: {', '.join(ATTN_FWDS)}")
+        _check_mode(mode, ATTN_FWDS, "set_attn_fwd")
         if mode != "triton":
             kernels.get_op("sparse_attn", ATTN_FWDS[mode])
-        for m in self.modules():
-            if isinstance(m, DSv4Attention):
-                m.attn_fwd = mode
-        return self
+        return self._set_on(DSv4Attention, "attn_fwd", mode)
 
     def set_out_rope(self, mode: str) -> "DSv4Model":
         """Where every attention layer's inverse RoPE of its output runs (spec §5.4; `OUT_ROPES`): "fused"
@@ -191,12 +201,7 @@ class DSv4Model(nn.Module):
         output for the backward -- Megatron-LM dev #7036) | "separate" (kernels/rope after the attention; the
         attention keeps its unrotated output and the output projection the rotated copy). Same math; on "naive"
         bit for bit the same, on "triton" the forward rounds o to bf16 once instead of twice."""
-        if mode not in OUT_ROPES:
-            raise ValueError(f"set_out_rope: unknown mode {mode!r}; known: {', '.join(OUT_ROPES)}")
-        for m in self.modules():
-            if isinstance(m, DSv4Attention):
-                m.out_rope = mode
-        return self
+        return self._set_on(DSv4Attention, "out_rope", _check_mode(mode, OUT_ROPES, "set_out_rope"))
 
     def set_all_picked(self, mode: str) -> "DSv4Model":
         """How every CSA layer's Triton attention reads a selection that lists every entry each query can see (no
@@ -204,36 +209,22 @@ class DSv4Model(nn.Module):
         "contiguous" (default: each query's visible range, as HCA does -- the queries of a program share the key
         tiles) | "listed" (the listed rows, gathered one query at a time). The same keys; the summation order
         differs. Other backends always read the listed rows."""
-        if mode not in ALL_PICKED:
-            raise ValueError(f"set_all_picked: unknown mode {mode!r}; known: {', '.join(ALL_PICKED)}")
-        for m in self.modules():
-            if isinstance(m, DSv4Attention):
-                m.all_picked = mode
-        return self
+        return self._set_on(DSv4Attention, "all_picked", _check_mode(mode, ALL_PICKED, "set_all_picked"))
 
     def set_indexer_fwd(self, mode: str) -> "DSv4Model":
         """The indexer's scoring forward on the "triton" kernel backend, every indexer: "triton" (default) | "cudnn"
         (NVIDIA cudnn-frontend's SM90 DSA indexer forward, bf16 or FP8 E4M3 at qk_precision "fp8", + our Triton
         backward wherever the call qualifies -- importable, SM90, cI 128, nI 16/32/64 --, the Triton forward
         elsewhere; kernels/indexer/cudnn_fwd.py). Resolved now (the import), before any torch.compile trace."""
-        if mode not in INDEXER_FWDS:
-            raise ValueError(f"set_indexer_fwd: unknown mode {mode!r}; known: {', '.join(INDEXER_FWDS)}")
+        _check_mode(mode, INDEXER_FWDS, "set_indexer_fwd")
         if mode != "triton":
             kernels.get_op("indexer_scores", INDEXER_FWDS[mode])
-        for m in self.modules():
-            if isinstance(m, Indexer):
-                m.scores_fwd = mode
-        return self
+        return self._set_on(Indexer, "scores_fwd", mode)
 
     def set_expert_gemm(self, mode: str) -> "DSv4Model":
         """How every MoE layer's routed-expert GEMMs run: "auto" (default) | "loop" | "grouped" | "dense"
         (`model/moe.py` EXPERT_GEMMS). Same math; "dense" is the static-shape variant for torch.compile."""
-        if mode not in EXPERT_GEMMS:
-            raise ValueError(f"set_expert_gemm: unknown mode {mode!r}; known: {', '.join(EXPERT_GEMMS)}")
-        for m in self.modules():
-            if isinstance(m, Experts):
-                m.gemm = mode
-        return self
+        return self._set_on(Experts, "gemm", _check_mode(mode, EXPERT_GEMMS, "set_expert_gemm"))
 
     def set_head_ce(self, mode: str) -> "DSv4Model":
         """When the head cross-entropy (forward(..., return_logits=False)) forms its gradients:
