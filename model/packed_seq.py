@@ -15,6 +15,8 @@ torch.cuda.graphs when a GPU is present (slices/ext_5672/test_packed_seq.py).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .layout import seg_pos_of_offsets
@@ -76,6 +78,21 @@ def rebuild(buf: torch.Tensor, max_seqlen: int):
     PSP = _packed_seq_params_cls()
     return PSP(qkv_format="thd", cu_seqlens_q=buf[0], cu_seqlens_kv=buf[1], cu_seqlens_q_padded=buf[2],
                cu_seqlens_kv_padded=buf[3], max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+
+
+class StreamOffsets(NamedTuple):
+    """The fields `copy_into` reads, for self-attention on one packed stream (q and kv share the offsets): a
+    duck-typed PackedSeqParams that needs no megatron-core (the GPU machines have none; P11's static step)."""
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_kv: torch.Tensor
+    cu_seqlens_q_padded: torch.Tensor | None
+    cu_seqlens_kv_padded: torch.Tensor | None
+    qkv_format: str = "thd"
+
+
+def stream_offsets(cu_seqlens, cu_seqlens_padded=None) -> StreamOffsets:
+    """cu_seqlens (+ the padded slot offsets) of a packed stream -> its `StreamOffsets`."""
+    return StreamOffsets(cu_seqlens, cu_seqlens, cu_seqlens_padded, cu_seqlens_padded)
 
 
 def make_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None = None):

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.model.layout import IGNORE, Layout
-from dsv4.model.packed_seq import PackedSeqError, copy_into, make_params
+from dsv4.model.packed_seq import PackedSeqError, copy_into, stream_offsets
 
 
 def _check_capturable(model) -> None:
@@ -80,7 +80,7 @@ class PackedGraphStep:
         if end > self.shape[0] * self.shape[1]:
             raise PackedSeqError(f"PackedGraphStep.load: cu_seqlens_padded ends at {end}, past the "
                                  f"{self.shape[0] * self.shape[1]} slots")
-        copy_into(self.buf, make_params(cu_seqlens, cu_seqlens_padded), self.shape[1])   # a document fits one row
+        copy_into(self.buf, stream_offsets(cu_seqlens, cu_seqlens_padded), self.shape[1])   # a document fits a row
         self.ids.copy_(input_ids, non_blocking=True)
         self.labels.copy_(labels, non_blocking=True)
 

@@ -118,7 +118,7 @@ def test_csa_lists_every_visible_entry_streams_them_contiguously(lens, monkeypat
     res = {}
     for be in ("naive", "triton"):
         aux = AuxLosses()
-        y = attn(h, Layout.packed(cu, (1, T)), aux=aux, backend=be)
+        y = attn(h, Layout.packed(cu, (1, T), device=DEV), aux=aux, backend=be)
         il = aux.indexer[0][0]
         grads = torch.autograd.grad(y.square().mean() + il, [h] + list(attn.parameters()), allow_unused=True)
         res[be] = (y.detach(), grads, il.detach(), aux.picks(None))
@@ -136,5 +136,5 @@ def test_csa_lists_every_visible_entry_streams_them_contiguously(lens, monkeypat
     assert torch.equal(s0, s1)
     assert abs(l0.item() - l1.item()) <= 1e-5 * abs(l0.item()) + 1e-7
     attn.all_picked = "listed"                                     # DSv4Model.set_all_picked("listed"): never
-    attn(h, Layout.packed(cu, (1, T)), aux=AuxLosses(), backend="triton")
+    attn(h, Layout.packed(cu, (1, T), device=DEV), aux=AuxLosses(), backend="triton")
     assert seen[-1] == ("triton", False)

@@ -65,7 +65,14 @@ def test_region_traces_whole_with_no_recompile_across_micro_batches():
     D.reset()
 
 
-def test_bad_input_names_the_field():
+def test_bad_input_names_the_field(monkeypatch):
+    """Bad micro-batches are refused naming the field, with or without megatron-core (the GPU machines have none:
+    the static step's offsets are a duck-typed record, `packed_seq.stream_offsets`)."""
+    from dsv4.model import packed_seq
+
+    def no_megatron():
+        raise PackedSeqError("megatron-core is not installed: PackedSeqParams unavailable")
+    monkeypatch.setattr(packed_seq, "_packed_seq_params_cls", no_megatron)
     model = _model()
     step = PackedGraphStep(model, (B, S), max_seqs=2)
     ids, labels, cu, cup = _batch(BATCHES[1], 0, model.cfg.vocab_size)
