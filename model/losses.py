@@ -86,7 +86,7 @@ def assemble_losses(cfg, aux: AuxLosses | None = None, lm: tuple | None = None, 
                     count=None):
     """(main, extra, losses): main = lm + w * mtp (None without lm), extra = indexer + MoE aux terms (None if
     there are none), losses = detached metrics. lm / mtp: (CE sum, number of targets) pairs."""
-    count = count or _one
+    count = _one if count is None else count       # (not `count or _one`: Dynamo 2.11 cannot branch on a method)
     losses = {}
     main = None
     if lm is not None:
