@@ -27,7 +27,8 @@ mkdir -p "$OUT"
 SHIM=$(mktemp -d)
 . harness/device/shim.sh && dsv4_shim "$SHIM" && dsv4_caches
 export PYTHONPATH=$SHIM
-export DSV4_GIT_SHA=${DSV4_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+# the sha comes from the caller: the device copy's .git can be stale (session 24: it named 357f0d8 for a later tree)
+export DSV4_GIT_SHA=${DSV4_GIT_SHA:-unknown}
 { python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__, \
 torch.cuda.get_device_name())"; echo "git $DSV4_GIT_SHA"; } > "$OUT/env.txt" 2>&1
 : > "$OUT/summary.txt"

@@ -53,7 +53,8 @@ if [ "$WHATS" != more ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SHIM/site" .whl/*.whl || exit 3
 fi
 export PYTHONPATH="$SHIM:$SHIM/site${PYTHONPATH:+:$PYTHONPATH}"
-export DSV4_GIT_SHA=${DSV4_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+# the sha comes from the caller: the device copy's .git can be stale (session 24: it named 357f0d8 for a later tree)
+export DSV4_GIT_SHA=${DSV4_GIT_SHA:-unknown}
 PY=${PYTHON:-python3}
 echo "from dsv4.harness.cli import main; main()" > "$SHIM/dsv4_main.py"
 D="$PY $SHIM/dsv4_main.py"

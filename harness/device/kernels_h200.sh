@@ -19,7 +19,8 @@ SHIM=$(mktemp -d)
 . harness/device/shim.sh && dsv4_shim "$SHIM"      # the checkout is not pip-installed there: dsv4.* -> the folders
 export PYTHONPATH=$SHIM
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$ROOT/build/triton_cache}   # build/ is git-ignored: kept between calls
-export DSV4_GIT_SHA=${DSV4_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+# the sha comes from the caller: the device copy's .git can be stale (session 24: it named 357f0d8 for a later tree)
+export DSV4_GIT_SHA=${DSV4_GIT_SHA:-unknown}
 BENCH="python3 -c 'from dsv4.harness.bench import bench_cmd; bench_cmd()'"
 {
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv

@@ -19,7 +19,8 @@ export PYTHONUNBUFFERED=1
 SHIM=$(mktemp -d /tmp/x1shim.XXXXXX)         # the checkout as the `dsv4` package without installing it
 . harness/device/shim.sh && dsv4_shim "$SHIM"
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
-export DSV4_GIT_SHA=${DSV4_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+# the sha comes from the caller: the device copy's .git can be stale (session 24: it named 357f0d8 for a later tree)
+export DSV4_GIT_SHA=${DSV4_GIT_SHA:-unknown}
 PY=${PYTHON:-python3}
 { $PY -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__, \
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"; echo "git $DSV4_GIT_SHA"; } > "$OUT/env.txt" 2>&1
