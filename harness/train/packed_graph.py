@@ -68,6 +68,7 @@ class PackedGraphStep:
         self.buf = torch.zeros(4, self.max_seqs + 1, dtype=torch.int32, device=p.device)   # no documents yet
         self.graph = None
         self.loss = None
+        self.grads: list = []
 
     def load(self, input_ids: torch.Tensor, labels: torch.Tensor, cu_seqlens, cu_seqlens_padded=None) -> None:
         """Copy a micro-batch into the static tensors: ids / labels [B, S], offsets into the B*S slots (host
@@ -99,7 +100,9 @@ class PackedGraphStep:
         return loss.detach()
 
     def step(self) -> torch.Tensor:
-        """The loaded micro-batch's loss (under capture a static tensor, rewritten by the next step)."""
+        """The loaded micro-batch's loss (under capture a static tensor, rewritten by the next step); every
+        parameter's .grad is this micro-batch's gradient (under capture the graph's tensors, rebound after each
+        replay: the first GPU run (session 24) read stale .grad tensors after an eager run had replaced them)."""
         if not self.capture:
             return self.region()
         if self.graph is None:
@@ -112,5 +115,8 @@ class PackedGraphStep:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self.loss = self.region()
+            self.grads = [q.grad for q in self.params]                         # allocated in the graph's pool
         self.graph.replay()
+        for q, g in zip(self.params, self.grads):   # the replay wrote these; code between steps (an optimizer's
+            q.grad = g                              # zero_grad(set_to_none=True), an eager run) may have rebound .grad
         return self.loss
