@@ -52,8 +52,9 @@ sparse_attn_fwd = torch.library.custom_op("dsv4::sparse_attn_fwd", mutates_args=
 @sparse_attn_fwd.register_fake
 def _(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, window, ratio, scale, q_off, rope_cos=None,
       rope_sin=None, want_probs=False):
-    probs = q.new_empty((q.shape[0], comp_idx.shape[-1]) if want_probs and comp is not None and comp.shape[0] > 0
-                        and comp_idx is not None else (0,), dtype=torch.float32)
+    stored = (want_probs and comp is not None and comp.shape[0] > 0 and comp_idx is not None   # = the forward's
+              and q.shape[0] * comp_idx.shape[-1] * q.shape[1] * 4 <= T._STORE_S_BYTES)         # `store`
+    probs = q.new_empty((q.shape[0], comp_idx.shape[-1]) if stored else (0,), dtype=torch.float32)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32), probs
 
 

@@ -175,6 +175,11 @@ def test_forward_probs_stay_off_past_their_memory_cap(monkeypatch):
     monkeypatch.setattr(T, "_STORE_S_BYTES", p.numel() * q.shape[1] * 4 - 1)
     o2, lse2, p2 = sparse_attn(*args, **meta, return_lse=True, return_probs=True, backend="triton")
     assert p2 is None and torch.equal(o2, o) and torch.equal(lse2, lse)
+    from dsv4.kernels.sparse_attn import op as O                # the fake (torch.compile's shapes) agrees
+    m = (meta["seg"], meta["pos"], meta["entry_seg"], meta["entry_j"])
+    torch.library.opcheck(O.sparse_attn_fwd, (q.detach(), kv.detach(), comp.detach(), idx, sink.detach(), *m,
+                                              TINY["window"], 3, 24 ** -0.5, 0, None, None, True),
+                          test_utils=("test_faketensor",))
 
 
 def test_no_key_but_sink_is_defined():
