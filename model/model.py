@@ -235,9 +235,7 @@ class DSv4Model(nn.Module):
         recomputes each row block's logits: the lower-memory choice for a large V x d head). Only where the loss
         goes through the blocked head CE (forward(..., return_logits=False): `dsv4 train`'s bf16 single-device
         runs, the bench). `HEAD_CE`, `_HeadCrossEntropy`. Same loss; the gradients differ by roundings only."""
-        if mode not in HEAD_CE:
-            raise ValueError(f"set_head_ce: unknown mode {mode!r}; known: {', '.join(HEAD_CE)}")
-        self.head_ce = mode
+        self.head_ce = _check_mode(mode, HEAD_CE, "set_head_ce")
         return self
 
     def compile_blocks(self, **compile_kwargs) -> "DSv4Model":

@@ -17,7 +17,8 @@ A micro-batch is then `load(ids, labels, cu_seqlens, cu_seqlens_padded)` (host-s
 static tensors) and `step()` (a replay). The first captured `step()` runs the region `warmup` times eagerly on a side
 stream first (Triton's autotuning and compiles, cuBLAS workspaces), then captures it. After every step the
 parameters' `.grad` hold that micro-batch's gradients, fresh, not accumulated; under capture they are the graph's
-own tensors (do not set them to None: copy or accumulate them elsewhere).
+own tensors, which every replay rewrites and `step()` hands back even where code between steps (an optimizer's
+`zero_grad(set_to_none=True)`) rebound `.grad` (copy or accumulate them elsewhere).
 
 What the region reads on the host is fixed at capture: the config's scalars (the MTP loss weight, the indexer loss
 mode), the model's switches (head_ce, out_rope, recompute), autocast. A schedule that changes one of them needs a
@@ -102,7 +103,7 @@ class PackedGraphStep:
     def step(self) -> torch.Tensor:
         """The loaded micro-batch's loss (under capture a static tensor, rewritten by the next step); every
         parameter's .grad is this micro-batch's gradient (under capture the graph's tensors, rebound after each
-        replay: the first GPU run (session 24) read stale .grad tensors after an eager run had replaced them)."""
+        replay)."""
         if not self.capture:
             return self.region()
         if self.graph is None:

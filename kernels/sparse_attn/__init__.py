@@ -35,20 +35,18 @@ def sparse_attn(q, kv, comp, comp_idx, sink, window: int, ratio: int, scale: flo
     own logits of the picks (no second pass over them); None from the other backends and without comp_idx (the
     caller then calls `entry_probs`)."""
     fn = get_op("sparse_attn", backend, q.device)
-    probs = return_lse and return_probs and backend == "triton"
-    more = {"return_probs": True} if probs else {}
+    more = {"return_probs": True} if return_lse and return_probs and backend == "triton" else {}
     if out_rope is not None and backend == "triton" and (q.shape[-1] - 2 * out_rope[0].shape[-1]) % 2 == 0:
-        out = fn(q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_offset,
-                 return_lse, out_rope=out_rope, **more)
-        return out + (None,) if return_lse and return_probs and not probs else out
+        return fn(q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_offset,
+                  return_lse, out_rope=out_rope, **more)
     out = fn(q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_offset, return_lse,
              **more)
-    o, lse, p = (out + (None,))[:3] if return_lse else (out, None, None)
+    o, rest = (out[0], out[1:]) if return_lse else (out, ())            # rest: (lse,) or (lse, probs)
     if out_rope is not None:
         o = rope_rows(o, out_rope[0], out_rope[1], True, backend="naive" if backend == "naive" else "triton")
-    if not return_lse:
-        return o
-    return (o, lse, p) if return_probs else (o, lse)
+    if return_lse and return_probs and len(rest) == 1:
+        rest += (None,)                                                  # a backend without the forward's probs
+    return (o, *rest) if return_lse else o
 
 
 def entry_probs(q, comp, comp_idx, lse, ratio: int, scale: float, seg, pos, entry_seg, entry_j, q_offset: int = 0,

@@ -52,9 +52,10 @@ sparse_attn_fwd = torch.library.custom_op("dsv4::sparse_attn_fwd", mutates_args=
 @sparse_attn_fwd.register_fake
 def _(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, window, ratio, scale, q_off, rope_cos=None,
       rope_sin=None, want_probs=False):
-    stored = (want_probs and comp is not None and comp.shape[0] > 0 and comp_idx is not None   # = the forward's
-              and q.shape[0] * comp_idx.shape[-1] * q.shape[1] * 4 <= T._STORE_S_BYTES)         # `store`
-    probs = q.new_empty((q.shape[0], comp_idx.shape[-1]) if stored else (0,), dtype=torch.float32)
+    listed = comp is not None and comp.shape[0] > 0 and comp_idx is not None             # MODE_IDX (T.prepare)
+    k = comp_idx.shape[-1] if listed else 0
+    stored = T.stores_logits(want_probs, listed, q.shape[0], k, q.shape[1])
+    probs = q.new_empty((q.shape[0], k) if stored else (0,), dtype=torch.float32)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32), probs
 
 

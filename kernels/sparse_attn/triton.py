@@ -62,6 +62,12 @@ _FWD_BH, _BWD_BH, _CPU_BH = 64, 32, 16
 _STORE_S_BYTES = 1 << 32
 
 
+def stores_logits(want_probs: bool, listed: bool, Tq: int, nsel: int, H: int) -> bool:
+    """Whether the forward stores the picks' logits for `return_probs` (listed entries, within _STORE_S_BYTES):
+    the one rule of the forward and of its custom op's fake (op.py), so compiled shapes match the kernel's."""
+    return bool(want_probs) and listed and Tq * nsel * H * 4 <= _STORE_S_BYTES
+
+
 def _bh_at_least_hb(cfgs, args):
     return [c for c in cfgs if c.kwargs["BH"] >= args["HB"]]
 
@@ -515,7 +521,7 @@ class _SparseAttn(torch.autograd.Function):
         cs, sn, rd = _out_rope(q, rope_cos, rope_sin)
         o = torch.empty_like(q)
         lse = torch.empty(Tq, H, device=q.device, dtype=torch.float32)
-        store = bool(want_probs) and mode == MODE_IDX and Tq * nsel * H * 4 <= _STORE_S_BYTES
+        store = stores_logits(want_probs, mode == MODE_IDX, Tq, nsel, H)
         s_out = torch.empty(Tq, nsel, H, device=q.device, dtype=torch.float32) if store else lse   # [Tq, k, H]
         hb = _heads(q, H, _FWD_BH)
         _sparse_attn_fwd[_grid(Tq, H, hb)](
