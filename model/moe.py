@@ -75,6 +75,13 @@ def expert_gemm(mode: str, x: torch.Tensor, w: torch.Tensor, x_dtype: torch.dtyp
     return mode
 
 
+def _sort_keys(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """idx [T, K] int64 expert ids as the narrowest integer type that holds them, flattened [T*K]: the stable
+    argsort's order is the same, and a CUDA radix sort makes one pass per key byte (int16: 2, int64: 8)."""
+    flat = idx.reshape(-1)
+    return flat.to(torch.int16) if n_experts <= torch.iinfo(torch.int16).max else flat.to(torch.int32)
+
+
 class _PermuteSlots(torch.autograd.Function):
     """xs = x[tok]: the expert-sorted slots' rows [T*K, d] of x [T, d] (each token in exactly K slots). Backward
     dx[t] = sum of its K slots' rows, as the MoE combine with unit weights (kernels/moe_combine: a gather of each
@@ -180,9 +187,9 @@ class Experts(nn.Module):
         """x [T, d], w [T, K], idx [T, K] -> [T, d] = sum_k w_k Expert_{idx_k}(x) (accumulated in fp32)."""
         adt = autocast_dtype(x)                                                # the module comment's autocast rule
         w13, w2 = (self.w13, self.w2) if adt is None else (self.w13.to(adt), self.w2.to(adt))
-        order = torch.argsort(idx.reshape(-1), stable=True)                    # token-slots grouped by expert
+        order = torch.argsort(_sort_keys(idx, w13.shape[0]), stable=True)     # token-slots grouped by expert
         tok = order // idx.shape[1]                                            # [T*K] token of each slot
-        wk = w.reshape(-1)[order]                                              # [T*K] its routing weight
+        wk = w.reshape(-1).gather(0, order)                                    # [T*K] its routing weight
         mode = expert_gemm(self.gemm, x, w13, adt)
         if mode == "grouped":
             # one grouped GEMM per projection over the expert-sorted slots; no host sync

@@ -259,6 +259,27 @@ def test_grouped_expert_path_matches_loop():
         assert_rel(name, a, b, REL_BF16)
 
 
+def test_expert_slot_order_and_weight_gradient_are_the_int64_index_paths():
+    """model/moe.py: the slots' stable argsort on narrowed keys (`_sort_keys`: int16 up to 32,767 experts, else
+    int32) is the int64 argsort's permutation exactly, and wk = w.gather(0, order) (backward: a scatter into zeros,
+    no sort) equals the indexing form w[order] (backward: index_put with accumulate, a sort of the T*K indices)
+    in value and in gradient, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    for E in (7, 256, 40_000):
+        idx = torch.randint(0, E, (97, 6), generator=g)
+        keys = moe._sort_keys(idx, E)
+        assert keys.dtype == (torch.int16 if E <= 32_767 else torch.int32)
+        order = torch.argsort(keys, stable=True)
+        assert torch.equal(order, torch.argsort(idx.reshape(-1), stable=True)), E
+        w = torch.rand(97, 6, generator=g, requires_grad=True)
+        dy = torch.randn(97 * 6, generator=g)
+        a = w.reshape(-1).gather(0, order)
+        (ga,) = torch.autograd.grad(a, w, dy)
+        b = w.reshape(-1)[order]
+        (gb,) = torch.autograd.grad(b, w, dy)
+        assert torch.equal(a, b) and torch.equal(ga, gb), E
+
+
 def test_experts_under_autocast_cast_once_and_grouped_runs():
     """bf16 autocast over FP32 masters (`dsv4 train --precision bf16`): Experts.forward casts w13, w2 to the
     autocast dtype once and chooses the mode for the autocast dtype of x (model/moe.py's autocast rule), so "auto"
