@@ -233,10 +233,12 @@ class DSv4Attention(nn.Module):
         attn_sel = None if contiguous and self._lists_every_visible(layout, use_sel) else use_sel
         o = sparse_attn(q, kv, comp, attn_sel, self.attn_sink, self.window, self.ratio or 1, self.scale,
                         seg, pos, eseg, ej, q0, return_lse=listed, return_probs=listed, backend=sa_backend,
-                        out_rope=self.rope.tables(rq, q.dtype) if fused else None)  # [T, H, c]
+                        out_rope=self.rope.tables(rq, q.dtype) if fused else None,
+                        probs_idx=use_sel if attn_sel is None else None)          # [T, H, c]
         lse = probs = None
         if listed:
             o, lse, probs = o             # lse [T, H]; probs [T, k]: the teacher's mass on the picks, or None
+            # (read contiguously, `_lists_every_visible`: the same mass by each pick's slot in its query's range)
         sel = None
         if self.indexer is not None:
             rows = [p["selection"] for p in picks]

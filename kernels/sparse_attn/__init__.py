@@ -17,7 +17,7 @@ from dsv4.kernels.rope import rope_rows
 
 def sparse_attn(q, kv, comp, comp_idx, sink, window: int, ratio: int, scale: float, seg, pos, entry_seg=None,
                 entry_j=None, q_offset: int = 0, return_lse: bool = False, out_rope=None, backend: str = "naive",
-                return_probs: bool = False):
+                return_probs: bool = False, probs_idx=None):
     """q [Tq,H,c], kv [Tk,c], comp [N,c] | None, comp_idx [Tq,k] | None, sink [H], seg/pos [Tk], entry_seg /
     entry_j [N] -> o [Tq,H,c] (with return_lse: (o, lse [Tq,H])). See `naive.sparse_attn`; backends above.
 
@@ -32,10 +32,14 @@ def sparse_attn(q, kv, comp, comp_idx, sink, window: int, ratio: int, scale: flo
 
     return_probs (with return_lse): a third element, the attention's mass on each listed entry summed over heads
     [Tq,k] fp32 (= `entry_probs(q, comp, comp_idx, lse, ...)`), which backend "triton" forms from its forward's
-    own logits of the picks (no second pass over them); None from the other backends and without comp_idx (the
-    caller then calls `entry_probs`)."""
+    own logits of the picks (no second pass over them). Without comp_idx (every visible entry attended), probs_idx
+    [Tq,k] lists the entries whose mass is returned: a listing of every entry each query sees (at most k a query:
+    DSv4Attention._lists_every_visible), in any order, -1 for none; "triton" forms it from the same forward's
+    logits, stored by each query's visible-range slot. None from the other backends, and without comp_idx or
+    probs_idx (the caller then calls `entry_probs`)."""
     fn = get_op("sparse_attn", backend, q.device)
-    more = {"return_probs": True} if return_lse and return_probs and backend == "triton" else {}
+    more = {"return_probs": True, "probs_idx": probs_idx} if return_lse and return_probs and backend == "triton" \
+        else {}
     if out_rope is not None and backend == "triton" and (q.shape[-1] - 2 * out_rope[0].shape[-1]) % 2 == 0:
         return fn(q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_offset,
                   return_lse, out_rope=out_rope, **more)

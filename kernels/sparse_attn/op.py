@@ -34,14 +34,16 @@ Tensor = torch.Tensor
 def _sparse_attn_fwd(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optional[Tensor], sink: Tensor,
                      seg: Tensor, pos: Tensor, entry_seg: Optional[Tensor], entry_j: Optional[Tensor],
                      window: int, ratio: int, scale: float, q_off: int, rope_cos: Optional[Tensor] = None,
-                     rope_sin: Optional[Tensor] = None, want_probs: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                     rope_sin: Optional[Tensor] = None, want_probs: bool = False,
+                     probs_idx: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """-> (o [Tq,H,c] q.dtype, lse [Tq,H] fp32, log2 units, probs); with rope_cos / rope_sin [Tq, r/2] o's last r
     dims rotated back by them (the output's inverse RoPE, fused). probs: with want_probs and listed entries the
     attention's mass on each listed entry summed over heads [Tq, k] fp32 (`entry_probs`, from the forward's own
-    logits), else an empty [0] tensor."""
+    logits); without comp_idx, the same for the entries probs_idx [Tq, k] lists (a listing of every visible entry:
+    `triton._SparseAttn.forward`); else an empty [0] tensor."""
     ctx = FnCtx()
     o = T._SparseAttn.forward(ctx, q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg,
-                              entry_j, q_off, rope_cos, rope_sin, want_probs)
+                              entry_j, q_off, rope_cos, rope_sin, want_probs, probs_idx)
     probs = ctx.probs if ctx.probs is not None else q.new_empty(0, dtype=torch.float32)
     return o, ctx.saved_tensors[6], probs
 
@@ -51,10 +53,12 @@ sparse_attn_fwd = torch.library.custom_op("dsv4::sparse_attn_fwd", mutates_args=
 
 @sparse_attn_fwd.register_fake
 def _(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, window, ratio, scale, q_off, rope_cos=None,
-      rope_sin=None, want_probs=False):
-    listed = comp is not None and comp.shape[0] > 0 and comp_idx is not None             # MODE_IDX (T.prepare)
-    k = comp_idx.shape[-1] if listed else 0
-    stored = T.stores_logits(want_probs, listed, q.shape[0], k, q.shape[1])
+      rope_sin=None, want_probs=False, probs_idx=None):
+    has_comp = comp is not None and comp.shape[0] > 0
+    listed = has_comp and comp_idx is not None                                            # MODE_IDX (T.prepare)
+    ranged = has_comp and comp_idx is None and probs_idx is not None                      # MODE_ALL, probs_idx's order
+    k = comp_idx.shape[-1] if listed else probs_idx.shape[-1] if ranged else 0
+    stored = T.stores_logits(want_probs, listed or ranged, q.shape[0], k, q.shape[1])
     probs = q.new_empty((q.shape[0], k) if stored else (0,), dtype=torch.float32)
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32), probs
 
@@ -120,11 +124,12 @@ _sparse_attn = autograd_op(sparse_attn_fwd, _sparse_attn_fwd, _setup, _backward)
 def sparse_attn(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optional[Tensor], sink: Tensor,
                 window: int, ratio: int, scale: float, seg: Tensor, pos: Tensor, entry_seg: Optional[Tensor] = None,
                 entry_j: Optional[Tensor] = None, q_offset: int = 0, return_lse: bool = False, out_rope=None,
-                return_probs: bool = False):
+                return_probs: bool = False, probs_idx: Optional[Tensor] = None):
     """Triton sparse attention as a custom op; same contract as `naive.sparse_attn` / `triton.sparse_attn`
     (return_lse: also the log-sum-exp [Tq,H] in natural log, no gradient; with return_probs as well, a third
-    element: `entry_probs` of the listed entries [Tq,k] fp32 from the forward's own logits, None without listed
-    entries). out_rope (cos, sin) [Tq, r/2]: the output's last r dims rotated back by them inside the kernel
+    element: `entry_probs` of the listed entries [Tq,k] fp32 from the forward's own logits -- without comp_idx,
+    of the entries probs_idx lists, which must be visible ones and at most k a query -- else None). out_rope
+    (cos, sin) [Tq, r/2]: the output's last r dims rotated back by them inside the kernel
     (kernels/sparse_attn/__init__.py)."""
     naive.check_args(q, kv, comp, comp_idx, sink, window, ratio, seg, pos, entry_seg, entry_j, q_offset)
     if scale is None:
@@ -132,7 +137,8 @@ def sparse_attn(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optiona
     cos, sin = (None, None) if out_rope is None else (out_rope[0].detach(), out_rope[1].detach())
     want = bool(return_lse and return_probs)
     o, lse2, probs = _sparse_attn(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, int(window),
-                                  int(ratio or 0), float(scale), int(q_offset), cos, sin, want)
+                                  int(ratio or 0), float(scale), int(q_offset), cos, sin, want,
+                                  probs_idx if want and comp_idx is None else None)
     if not return_lse:
         return o
     lse = lse2.detach() * math.log(2.0)

@@ -182,6 +182,60 @@ def test_forward_probs_stay_off_past_their_memory_cap(monkeypatch):
                           test_utils=("test_faketensor",))
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("shape", ["tiny", "tiny_h16"] + (["real_h16"] if CUDA else []))
+def test_forward_probs_of_every_visible_entry_follow_the_listing(shape, layout):
+    """Every visible entry attended (comp_idx None, MODE_ALL) with `probs_idx`, a listing of those entries (each
+    query's visible ones in a random order, -1 padding; what the indexer's top-k gives when it lists them all): the
+    forward stores the logits by slot in each query's range and returns the mass of each listed entry == naive
+    `entry_probs` of that listing against the naive lse. H 3 runs 5 queries a program on the interpreter (the
+    per-row range start), H 16 one. Also: o and lse equal the call without probs (the store changes nothing else),
+    a wrong slot base breaks the match (the per-row ELO matters: in the packed layout the ranges start apart), and
+    the fake (torch.compile's shapes) agrees."""
+    from dsv4.kernels.sparse_attn import entry_probs
+    from dsv4.kernels.sparse_attn import op as O
+    sh = SHAPES[shape]
+    lens, pads, q_off = LAYOUTS[layout]
+    ratio = 3 if shape.startswith("tiny") else 4
+    if shape == "real_h16":
+        lens = [L * 97 for L in lens]
+    (q, kv, comp, _, sink), meta = _case("hca", lens, pads, q_off, **sh, ratio=ratio, k=0)
+    seg, pos = meta["seg"][q_off:], meta["pos"][q_off:]
+    vis = (meta["entry_seg"][None, :] == seg[:, None]) & (meta["entry_seg"][None, :] >= 0) & \
+        (meta["entry_j"][None, :] < ((pos + 1) // ratio)[:, None])                   # [Tq, N]
+    k = int(vis.sum(1).max()) + 1                                                    # one -1 at least
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    key = torch.rand(vis.shape, generator=gen, device=DEV).masked_fill(~vis, -1.0)
+    v, listing = key.topk(k, dim=-1) if k <= vis.shape[1] else key.topk(vis.shape[1], dim=-1)
+    listing = torch.where(v < 0, torch.full_like(listing, -1), listing)
+    scale = sh["c"] ** -0.5
+    args = (q, kv, comp, None, sink, sh["window"], ratio, scale)
+    o_n, lse_n = sparse_attn(*args, **meta, return_lse=True, backend="naive")
+    em = dict(seg=meta["seg"], pos=meta["pos"], entry_seg=meta["entry_seg"], entry_j=meta["entry_j"], q_offset=q_off)
+    want = entry_probs(q, comp, listing, lse_n, ratio, scale, **em, backend="naive")
+    o, lse, got = sparse_attn(*args, **meta, return_lse=True, return_probs=True, probs_idx=listing, backend="triton")
+    o0, lse0, none = sparse_attn(*args, **meta, return_lse=True, return_probs=True, backend="triton")
+    assert none is None and torch.equal(o, o0) and torch.equal(lse, lse0)
+    assert got is not None and got.shape == listing.shape and (got[listing < 0] == 0).all()
+    if shape.startswith("tiny"):                   # fp32: summation order only (bounds of test_entry_probs_...)
+        assert_close("forward's probs of every visible entry", got, want, 2e-5, 1e-5)
+        if layout == "packed":                     # the same listing read from slot entry - ELO[0]: wrong
+            from dsv4.kernels.sparse_attn import triton as T
+            elo = T.prepare(q, kv, comp, None, ratio, meta["seg"], meta["pos"], meta["entry_seg"], meta["entry_j"],
+                            q_off)[9]
+            assert int(elo.min()) != int(elo.max())
+            off = sparse_attn(*args, **meta, return_lse=True, return_probs=True,
+                              probs_idx=torch.where(listing >= 0, listing - elo[:, None] + elo[0], -1),
+                              backend="triton")[2]
+            assert (off - want).abs().max() > 1e-2
+    else:                                          # bf16 QK products on the GPU, as test_entry_probs_...
+        assert_rel("forward's probs of every visible entry", got, want, 2e-2)
+    m = (meta["seg"], meta["pos"], meta["entry_seg"], meta["entry_j"])
+    torch.library.opcheck(O.sparse_attn_fwd, (q.detach(), kv.detach(), comp.detach(), None, sink.detach(), *m,
+                                              sh["window"], ratio, scale, q_off, None, None, True, listing),
+                          test_utils=("test_faketensor",))
+
+
 def test_no_key_but_sink_is_defined():
     """Query 0 of an HCA layer sees one window key and no entry; the sink alone must not give NaN; padding
     queries see only the sink (output 0)."""

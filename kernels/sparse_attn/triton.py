@@ -26,7 +26,8 @@ seeded with the sink (running max = sink, running sum = 1), so a query with no k
 
 The indexer's joint teacher (`return_probs`, op.py): with listed entries the forward also stores each pick's logits
 [Tq, k, H] fp32 (STORE_S; -inf where not visible) and `_picks_probs` sums 2^(s - lse) over the heads once the
-final lse is known: `entry_probs` without a second gather of the picks (up to _STORE_S_BYTES of logits).
+final lse is known: `entry_probs` without a second gather of the picks (up to _STORE_S_BYTES of logits). With every
+visible entry read (MODE_ALL) and a listing of them (`probs_idx`), the logits are stored by each query's range slot.
 
 Backward (one fused kernel, FA2 style with the stored log-sum-exp): per key tile recompute P, dP = dO Vᵀ,
 dS = P (dP - delta) * scale; dQ += dS K stays in registers; dKV_tile = dSᵀ Q + Pᵀ dO (K = V, the heads of the
@@ -268,12 +269,18 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EH
         else:
             e_lo = tl.min(tl.load(ELO + tq, mask=rmask, other=2147483647), 0)
             e_hi = tl.max(tl.load(EHI + tq, mask=rmask, other=0), 0)
+        if STORE_S:                                             # each row's own range start: its slot 0
+            elo_r = tl.load(ELO + tq, mask=rmask, other=0)
         for start in range(e_lo, e_hi, BN):
             offs_n = start + tl.arange(0, BN)
             valid = _entry_mask(ESEG, EJ, offs_n, offs_n < e_hi, seg_u, pos_u, seg0, pos0, ratio, BH == HB)
             k = tl.load(COMP + offs_n[:, None] * sc_s + offs_d[None, :], mask=(offs_n < e_hi)[:, None] & dmask[None, :],
                         other=0.0)
-            m_i, l_i, acc, _s = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
+            m_i, l_i, acc, s = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
+            if STORE_S:                                         # the entries' logits at slot = entry - ELO[t]
+                slot = offs_n[None, :] - elo_r[:, None]
+                tl.store(S_OUT + tq[:, None] * ss_t + slot * H + offs_h[:, None], s,
+                         mask=rmask[:, None] & (slot >= 0) & (slot < NSEL))
     o = acc / l_i[:, None]
     if ROT:                                                     # the output rotated back by the query position
         o = _rotate_rows(o, COS, SIN, tq, t0, rmask, s_cs, -1.0, C, RD, BH, BD, BH == HB)
@@ -509,11 +516,15 @@ def _out_rope(q, rope_cos, rope_sin):
 class _SparseAttn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, comp, comp_idx, sink, window, ratio, scale, seg, pos, entry_seg, entry_j, q_off,
-                rope_cos=None, rope_sin=None, want_probs=False):
+                rope_cos=None, rope_sin=None, want_probs=False, probs_idx=None):
         """want_probs: with listed entries (comp_idx), also `ctx.probs` = `entry_probs` of this call [Tq, k] fp32
         from the logits the forward formed anyway (stored [Tq, k, H] fp32, then summed over heads against the
-        final lse): the indexer's joint teacher without a second pass over the picks. Otherwise, or when the
-        stored logits would pass _STORE_S_BYTES, ctx.probs None (the caller runs `entry_probs`)."""
+        final lse): the indexer's joint teacher without a second pass over the picks. Without comp_idx (every
+        visible entry read, MODE_ALL), probs_idx [Tq, k] names the entries of those probabilities: the forward
+        stores each query's logits at slot entry - ELO[t] (its visible range's start; k slots, so it serves a
+        listing of every visible entry, DSv4Attention._lists_every_visible) and reads each listed entry's slot.
+        Otherwise, or when the stored logits would pass _STORE_S_BYTES, ctx.probs None (the caller runs
+        `entry_probs`)."""
         q, kv = q.contiguous(), kv.contiguous()
         Tq, H, C = q.shape
         mode, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, elo, ehi = prepare(
@@ -521,21 +532,30 @@ class _SparseAttn(torch.autograd.Function):
         cs, sn, rd = _out_rope(q, rope_cos, rope_sin)
         o = torch.empty_like(q)
         lse = torch.empty(Tq, H, device=q.device, dtype=torch.float32)
-        store = stores_logits(want_probs, mode == MODE_IDX, Tq, nsel, H)
-        s_out = torch.empty(Tq, nsel, H, device=q.device, dtype=torch.float32) if store else lse   # [Tq, k, H]
+        ranged = mode == MODE_ALL and probs_idx is not None     # every visible entry read, the probs in probs_idx's order
+        ns = probs_idx.shape[-1] if ranged else nsel            # stored slots a query
+        store = stores_logits(want_probs, mode == MODE_IDX or ranged, Tq, ns, H)
+        s_out = lse                                             # dummy pointer without the store
+        if store:           # [Tq, ns, H]; ranged: slots past a query's range are never written, so -inf first
+            f32 = dict(device=q.device, dtype=torch.float32)
+            s_out = torch.full((Tq, ns, H), float("-inf"), **f32) if ranged else torch.empty(Tq, ns, H, **f32)
         hb = _heads(q, H, _FWD_BH)
         _sparse_attn_fwd[_grid(Tq, H, hb)](
             q, kv, comp_t, idx_t, sink.contiguous(), o, lse, seg, pos, eseg, ej, elo, ehi, cs, sn, s_out,
             q.stride(0), q.stride(1), kv.stride(0), comp_t.stride(0), idx_t.stride(0), o.stride(0), o.stride(1),
-            lse.stride(0), cs.stride(0), nsel * H, Tq, H, nsel, int(window), ratio, float(scale) * LOG2E, int(q_off),
+            lse.stride(0), cs.stride(0), ns * H, Tq, H, ns, int(window), ratio, float(scale) * LOG2E, int(q_off),
             C=C, MODE=mode, PREC=_prec(q), BD=pow2(C), HB=hb, ROT=rd > 0, RD=max(rd, 2), STORE_S=store)
         ctx.probs = None
         if store:           # P[t, j] = sum_h 2^(s[t, j, h] - lse[t, h])   (log2 units; -inf logits give 0)
-            ctx.probs = torch.empty(Tq, nsel, device=q.device, dtype=torch.float32)
-            R = Tq * nsel
+            ctx.probs = torch.empty(Tq, ns, device=q.device, dtype=torch.float32)
+            R = Tq * ns
             if R:
-                _picks_probs[(triton.cdiv(R, _PROB_ROWS),)](s_out, lse, ctx.probs, nsel, R, H, lse.stride(0),
+                _picks_probs[(triton.cdiv(R, _PROB_ROWS),)](s_out, lse, ctx.probs, ns, R, H, lse.stride(0),
                                                           BR=_PROB_ROWS, BHP=pow2(H, 2), num_warps=4)
+            if ranged:      # slot j of query t is entry ELO[t] + j: read each listed entry's slot
+                rel = probs_idx - elo.to(probs_idx.dtype)[:, None]                     # [Tq, ns]
+                ok = (probs_idx >= 0) & (rel >= 0) & (rel < ns)
+                ctx.probs = torch.where(ok, ctx.probs.gather(1, rel.clamp(0, max(ns - 1, 0))), 0.0)
         ctx.save_for_backward(q, kv, comp_t, idx_t, sink, o, lse, seg, pos, eseg, ej, elo, ehi, cs, sn)
         ctx.cfg = (mode, nsel, int(window), ratio, float(scale), int(q_off), rd)
         ctx.comp_none = comp is None
@@ -568,7 +588,7 @@ class _SparseAttn(torch.autograd.Function):
         p_sink = torch.exp2(sink.float() * LOG2E - lse)
         dsink = -(p_sink * delta).sum(0).to(sink.dtype)
         dcomp_out = None if ctx.comp_none else (dcomp.to(comp_t.dtype) if has_comp else None)
-        return (dq, dkv.to(kv.dtype), dcomp_out, None, dsink) + (None,) * 11
+        return (dq, dkv.to(kv.dtype), dcomp_out, None, dsink) + (None,) * 12
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, comp: torch.Tensor | None, comp_idx: torch.Tensor | None,

@@ -111,10 +111,13 @@ def test_csa_lists_every_visible_entry_streams_them_contiguously(lens, monkeypat
     T = sum(lens)
     h = torch.randn(1, T, cfg.hidden_size, device=DEV, requires_grad=True)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    seen = []
+    seen, second_pass = [], []
     real = attention_mod.sparse_attn
     monkeypatch.setattr(attention_mod, "sparse_attn",
                         lambda *a, **k: seen.append((k["backend"], a[3] is None)) or real(*a, **k))
+    from dsv4.model import indexer as indexer_mod                  # the teacher's second pass over the picks
+    real_ep = indexer_mod.entry_probs
+    monkeypatch.setattr(indexer_mod, "entry_probs", lambda *a, **k: second_pass.append(k["backend"]) or real_ep(*a, **k))
     res = {}
     for be in ("naive", "triton"):
         aux = AuxLosses()
@@ -124,6 +127,9 @@ def test_csa_lists_every_visible_entry_streams_them_contiguously(lens, monkeypat
         res[be] = (y.detach(), grads, il.detach(), aux.picks(None))
     switched = max(lens) // cfg.csa_ratio <= cfg.index_topk
     assert seen == [("naive", False), ("triton", switched)]
+    # the Triton forward hands the teacher its mass on the picks in both reads (listed: by pick; contiguous: by
+    # each pick's slot in its query's range, `probs_idx`), so only the naive backend runs the second pass
+    assert second_pass == ["naive"], second_pass
     (y0, g0, l0, s0), (y1, g1, l1, s1) = res["naive"], res["triton"]
     rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-30)).item()   # noqa: E731
     # the module test's bounds; measured here (native CPU): outputs 2.8e-7, grads 6.2e-7, loss 7.7e-8 relative
