@@ -104,6 +104,27 @@ def _err(msg):
 
 
 # ------------------------------------------------------------------------------------------ sparse attention
+def sparse_case(S: int, H: int, mode: str, c: int = 512, window: int = 128, dev: str = "cuda", seed: int = 0):
+    """The `dsv4 bench kernels` sparse-attention inputs of one document of S tokens (the device scripts' A/Bs and
+    profiles): mode window | csa (ratio 4, top-k 512) | hca (ratio 128); bf16, leaves with requires_grad.
+    -> (q [S,H,c], kv [S,c], comp [S/ratio,c] | None, idx [S,k] | None, sink [H], meta (seg, pos, eseg, ej), ratio)."""
+    import torch
+    g = torch.Generator(device=dev).manual_seed(seed)
+    ratio, k = (4, 512) if mode == "csa" else (128, 0)
+    q = torch.randn(S, H, c, device=dev, generator=g, dtype=torch.bfloat16).requires_grad_()
+    kv = torch.randn(S, c, device=dev, generator=g, dtype=torch.bfloat16).requires_grad_()
+    sink = torch.randn(H, device=dev, generator=g).requires_grad_()
+    comp = idx = None
+    if mode != "window":
+        comp = torch.randn(S // ratio, c, device=dev, generator=g, dtype=torch.bfloat16).requires_grad_()
+    if mode == "csa":
+        idx = _csa_idx(S, S // ratio, k, ratio, dev, g)[:, 0]
+    N = 0 if comp is None else comp.shape[0]
+    meta = (torch.zeros(S, dtype=torch.long, device=dev), torch.arange(S, device=dev),
+            torch.zeros(N, dtype=torch.long, device=dev), torch.arange(N, device=dev))
+    return q, kv, comp, idx, sink, meta, ratio
+
+
 def _csa_idx(S, T, k, ratio, dev, gen):
     """Random unique top-k entry ids per query among its complete entries (-1 beyond), sorted ascending."""
     import torch

@@ -13,27 +13,14 @@ import sys
 
 import torch
 
-from dsv4.harness.bench import _csa_idx
+from dsv4.harness.bench import sparse_case
 from dsv4.kernels.sparse_attn.triton import _sparse_attn_bwd, sparse_attn
 
 S = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
 H = int(sys.argv[2]) if len(sys.argv) > 2 else 16
 mode = sys.argv[3] if len(sys.argv) > 3 else "csa"
 c, window = 512, 128
-g = torch.Generator(device="cuda").manual_seed(0)
-ratio, k = (4, 512) if mode == "csa" else (128, 0)
-q = torch.randn(S, H, c, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-kv = torch.randn(S, c, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-sink = torch.randn(H, device="cuda", generator=g).requires_grad_()
-comp = idx = None
-if mode != "window":
-    comp = torch.randn(S // ratio, c, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-if mode == "csa":
-    idx = _csa_idx(S, S // ratio, k, ratio, "cuda", g)[:, 0]
-N = 0 if comp is None else comp.shape[0]
-t = torch.arange(S, device="cuda")
-meta = (torch.zeros(S, dtype=torch.long, device="cuda"), t, torch.zeros(N, dtype=torch.long, device="cuda"),
-        torch.arange(N, device="cuda"))
+q, kv, comp, idx, sink, meta, ratio = sparse_case(S, H, mode, c, window)
 ins = [x for x in (q, kv, comp, sink) if x is not None]
 o = sparse_attn(q, kv, comp, idx, sink, window, ratio, c ** -0.5, *meta)
 do = torch.randn_like(o)

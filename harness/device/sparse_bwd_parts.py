@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dsv4.harness.bench import _csa_idx, _fwd_bwd, _tuned_ms
+from dsv4.harness.bench import _fwd_bwd, _tuned_ms, sparse_case
 import dsv4.kernels.sparse_attn.triton as base
 
 SRC = Path(base.__file__).read_text()
@@ -44,20 +44,7 @@ cases = [x.split(":") for x in os.environ.get("CASES", "16:window,16:csa,16:hca,
 res = {"S": S, "rows": []}
 for h, mode in cases:
     H = int(h)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ratio, k = (4, 512) if mode == "csa" else (128, 0)
-    q = torch.randn(S, H, c, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-    kv = torch.randn(S, c, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-    sink = torch.randn(H, device="cuda", generator=g).requires_grad_()
-    comp = idx = None
-    if mode != "window":
-        comp = torch.randn(S // ratio, c, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-    if mode == "csa":
-        idx = _csa_idx(S, S // ratio, k, ratio, "cuda", g)[:, 0]
-    N = 0 if comp is None else comp.shape[0]
-    t = torch.arange(S, device="cuda")
-    meta = (torch.zeros(S, dtype=torch.long, device="cuda"), t, torch.zeros(N, dtype=torch.long, device="cuda"),
-            torch.arange(N, device="cuda"))
+    q, kv, comp, idx, sink, meta, ratio = sparse_case(S, H, mode, c, window)
     ins = [x for x in (q, kv, comp, sink) if x is not None]
     row = {"H": H, "mode": mode}
     for v, mod in mods.items():
