@@ -238,7 +238,7 @@ class DSv4Attention(nn.Module):
         lse = probs = None
         if listed:
             o, lse, probs = o             # lse [T, H]; probs [T, k]: the teacher's mass on the picks, or None
-            # (read contiguously, `_lists_every_visible`: the same mass by each pick's slot in its query's range)
+            # (read contiguously, `_lists_every_visible`: the same mass, stored by each entry's index in its document)
         sel = None
         if self.indexer is not None:
             rows = [p["selection"] for p in picks]

@@ -35,8 +35,8 @@ def sparse_attn(q, kv, comp, comp_idx, sink, window: int, ratio: int, scale: flo
     own logits of the picks (no second pass over them). Without comp_idx (every visible entry attended), probs_idx
     [Tq,k] lists the entries whose mass is returned: a listing of every entry each query sees (at most k a query:
     DSv4Attention._lists_every_visible), in any order, -1 for none; "triton" forms it from the same forward's
-    logits, stored by each query's visible-range slot. None from the other backends, and without comp_idx or
-    probs_idx (the caller then calls `entry_probs`)."""
+    logits, stored by each entry's index in its document (entry_j). None from the other backends, and without
+    comp_idx or probs_idx (the caller then calls `entry_probs`)."""
     fn = get_op("sparse_attn", backend, q.device)
     more = {"return_probs": True, "probs_idx": probs_idx} if return_lse and return_probs and backend == "triton" \
         else {}

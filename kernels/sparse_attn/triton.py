@@ -27,7 +27,8 @@ seeded with the sink (running max = sink, running sum = 1), so a query with no k
 The indexer's joint teacher (`return_probs`, op.py): with listed entries the forward also stores each pick's logits
 [Tq, k, H] fp32 (STORE_S; -inf where not visible) and `_picks_probs` sums 2^(s - lse) over the heads once the
 final lse is known: `entry_probs` without a second gather of the picks (up to _STORE_S_BYTES of logits). With every
-visible entry read (MODE_ALL) and a listing of them (`probs_idx`), the logits are stored by each query's range slot.
+visible entry read (MODE_ALL) and a listing of them (`probs_idx`), the logits are stored by the entry's index in its
+document (entry_j), which the listing's entries are read back by.
 
 Backward (one fused kernel, FA2 style with the stored log-sum-exp): per key tile recompute P, dP = dO Vᵀ,
 dS = P (dP - delta) * scale; dQ += dS K stays in registers; dKV_tile = dSᵀ Q + Pᵀ dO (K = V, the heads of the
@@ -269,18 +270,16 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EH
         else:
             e_lo = tl.min(tl.load(ELO + tq, mask=rmask, other=2147483647), 0)
             e_hi = tl.max(tl.load(EHI + tq, mask=rmask, other=0), 0)
-        if STORE_S:                                             # each row's own range start: its slot 0
-            elo_r = tl.load(ELO + tq, mask=rmask, other=0)
         for start in range(e_lo, e_hi, BN):
             offs_n = start + tl.arange(0, BN)
             valid = _entry_mask(ESEG, EJ, offs_n, offs_n < e_hi, seg_u, pos_u, seg0, pos0, ratio, BH == HB)
             k = tl.load(COMP + offs_n[:, None] * sc_s + offs_d[None, :], mask=(offs_n < e_hi)[:, None] & dmask[None, :],
                         other=0.0)
             m_i, l_i, acc, s = _fwd_tile(q, k, valid, m_i, l_i, acc, qk_scale, PREC)
-            if STORE_S:                                         # the entries' logits at slot = entry - ELO[t]
-                slot = offs_n[None, :] - elo_r[:, None]
+            if STORE_S:         # a visible entry's logits at slot j = its index in the row's document (< NSEL)
+                slot = tl.load(EJ + offs_n, mask=offs_n < e_hi, other=0)[None, :]
                 tl.store(S_OUT + tq[:, None] * ss_t + slot * H + offs_h[:, None], s,
-                         mask=rmask[:, None] & (slot >= 0) & (slot < NSEL))
+                         mask=rmask[:, None] & valid & (slot < NSEL))
     o = acc / l_i[:, None]
     if ROT:                                                     # the output rotated back by the query position
         o = _rotate_rows(o, COS, SIN, tq, t0, rmask, s_cs, -1.0, C, RD, BH, BD, BH == HB)
@@ -521,8 +520,9 @@ class _SparseAttn(torch.autograd.Function):
         from the logits the forward formed anyway (stored [Tq, k, H] fp32, then summed over heads against the
         final lse): the indexer's joint teacher without a second pass over the picks. Without comp_idx (every
         visible entry read, MODE_ALL), probs_idx [Tq, k] names the entries of those probabilities: the forward
-        stores each query's logits at slot entry - ELO[t] (its visible range's start; k slots, so it serves a
-        listing of every visible entry, DSv4Attention._lists_every_visible) and reads each listed entry's slot.
+        stores each visible entry's logits at slot j = its index in the query's document (entry_j; a query at
+        position p sees j < (p + 1) // ratio, at most k when no document is longer than ratio (k + 1) - 1 tokens:
+        DSv4Attention._lists_every_visible) and reads each listed visible entry's slot (0 for the others).
         Otherwise, or when the stored logits would pass _STORE_S_BYTES, ctx.probs None (the caller runs
         `entry_probs`)."""
         q, kv = q.contiguous(), kv.contiguous()
@@ -532,7 +532,7 @@ class _SparseAttn(torch.autograd.Function):
         cs, sn, rd = _out_rope(q, rope_cos, rope_sin)
         o = torch.empty_like(q)
         lse = torch.empty(Tq, H, device=q.device, dtype=torch.float32)
-        ranged = mode == MODE_ALL and probs_idx is not None     # every visible entry read, the probs in probs_idx's order
+        ranged = mode == MODE_ALL and probs_idx is not None     # every visible entry read, probs in probs_idx's order
         ns = probs_idx.shape[-1] if ranged else nsel            # stored slots a query
         store = stores_logits(want_probs, mode == MODE_IDX or ranged, Tq, ns, H)
         s_out = lse                                             # dummy pointer without the store
@@ -552,10 +552,13 @@ class _SparseAttn(torch.autograd.Function):
             if R:
                 _picks_probs[(triton.cdiv(R, _PROB_ROWS),)](s_out, lse, ctx.probs, ns, R, H, lse.stride(0),
                                                           BR=_PROB_ROWS, BHP=pow2(H, 2), num_warps=4)
-            if ranged:      # slot j of query t is entry ELO[t] + j: read each listed entry's slot
-                rel = probs_idx - elo.to(probs_idx.dtype)[:, None]                     # [Tq, ns]
-                ok = (probs_idx >= 0) & (rel >= 0) & (rel < ns)
-                ctx.probs = torch.where(ok, ctx.probs.gather(1, rel.clamp(0, max(ns - 1, 0))), 0.0)
+            if ranged:      # slot j of query t holds its document's entry j: read each listed (visible) entry's
+                e = probs_idx.clamp_min(0)                                             # [Tq, ns]
+                j = ej[e]
+                u = torch.arange(Tq, device=q.device) + q_off                          # the queries' key rows
+                ok = (probs_idx >= 0) & (eseg[e] == seg[u][:, None]) & (eseg[e] >= 0) & \
+                    (j < torch.div(pos[u] + 1, ratio, rounding_mode="floor")[:, None]) & (j < ns)
+                ctx.probs = torch.where(ok, ctx.probs.gather(1, j.clamp(0, max(ns - 1, 0))), 0.0)
         ctx.save_for_backward(q, kv, comp_t, idx_t, sink, o, lse, seg, pos, eseg, ej, elo, ehi, cs, sn)
         ctx.cfg = (mode, nsel, int(window), ratio, float(scale), int(q_off), rd)
         ctx.comp_none = comp is None
