@@ -137,8 +137,7 @@ def sparse_attn(q: Tensor, kv: Tensor, comp: Optional[Tensor], comp_idx: Optiona
     cos, sin = (None, None) if out_rope is None else (out_rope[0].detach(), out_rope[1].detach())
     want = bool(return_lse and return_probs)
     o, lse2, probs = _sparse_attn(q, kv, comp, comp_idx, sink, seg, pos, entry_seg, entry_j, int(window),
-                                  int(ratio or 0), float(scale), int(q_offset), cos, sin, want,
-                                  probs_idx if want and comp_idx is None else None)
+                                  int(ratio or 0), float(scale), int(q_offset), cos, sin, want, probs_idx)
     if not return_lse:
         return o
     lse = lse2.detach() * math.log(2.0)

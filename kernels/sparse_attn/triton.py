@@ -536,7 +536,7 @@ class _SparseAttn(torch.autograd.Function):
         ns = probs_idx.shape[-1] if ranged else nsel            # stored slots a query
         store = stores_logits(want_probs, mode == MODE_IDX or ranged, Tq, ns, H)
         s_out = lse                                             # dummy pointer without the store
-        if store:           # [Tq, ns, H]; ranged: slots past a query's range are never written, so -inf first
+        if store:           # [Tq, ns, H]; ranged: a slot no visible entry has is never written, so -inf first
             f32 = dict(device=q.device, dtype=torch.float32)
             s_out = torch.full((Tq, ns, H), float("-inf"), **f32) if ranged else torch.empty(Tq, ns, H, **f32)
         hb = _heads(q, H, _FWD_BH)
@@ -552,13 +552,10 @@ class _SparseAttn(torch.autograd.Function):
             if R:
                 _picks_probs[(triton.cdiv(R, _PROB_ROWS),)](s_out, lse, ctx.probs, ns, R, H, lse.stride(0),
                                                           BR=_PROB_ROWS, BHP=pow2(H, 2), num_warps=4)
-            if ranged:      # slot j of query t holds its document's entry j: read each listed (visible) entry's
-                e = probs_idx.clamp_min(0)                                             # [Tq, ns]
-                j = ej[e]
-                u = torch.arange(Tq, device=q.device) + q_off                          # the queries' key rows
-                ok = (probs_idx >= 0) & (eseg[e] == seg[u][:, None]) & (eseg[e] >= 0) & \
-                    (j < torch.div(pos[u] + 1, ratio, rounding_mode="floor")[:, None]) & (j < ns)
-                ctx.probs = torch.where(ok, ctx.probs.gather(1, j.clamp(0, max(ns - 1, 0))), 0.0)
+            if ranged:      # slot j of query t holds its document's entry j: read each listed visible entry's
+                e, ok = naive.listed_entries(probs_idx, seg[q_off:q_off + Tq], pos[q_off:q_off + Tq], eseg, ej, ratio)
+                j = ej[e]                                                              # [Tq, ns]
+                ctx.probs = torch.where(ok & (j < ns), ctx.probs.gather(1, j.clamp(0, max(ns - 1, 0))), 0.0)
         ctx.save_for_backward(q, kv, comp_t, idx_t, sink, o, lse, seg, pos, eseg, ej, elo, ehi, cs, sn)
         ctx.cfg = (mode, nsel, int(window), ratio, float(scale), int(q_off), rd)
         ctx.comp_none = comp is None

@@ -117,7 +117,8 @@ def test_csa_lists_every_visible_entry_streams_them_contiguously(lens, monkeypat
                         lambda *a, **k: seen.append((k["backend"], a[3] is None)) or real(*a, **k))
     from dsv4.model import indexer as indexer_mod                  # the teacher's second pass over the picks
     real_ep = indexer_mod.entry_probs
-    monkeypatch.setattr(indexer_mod, "entry_probs", lambda *a, **k: second_pass.append(k["backend"]) or real_ep(*a, **k))
+    monkeypatch.setattr(indexer_mod, "entry_probs",
+                        lambda *a, **k: second_pass.append(k["backend"]) or real_ep(*a, **k))
     res = {}
     for be in ("naive", "triton"):
         aux = AuxLosses()
