@@ -294,3 +294,49 @@ def test_entry_probs_triton_matches_naive(shape, layout):
     else:                                          # bf16 QK products on the GPU
         assert_rel("entry_probs", got, want, 2e-2)
         assert_rel("forward's entry probs", fwd, want, 2e-2)
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tiny_h16"] + (["real_h16"] if CUDA else []))
+def test_listings_are_read_up_to_their_last_entry(shape):
+    """A top-k lists a query's visible picks first, -1 after (a query that sees fewer than k entries): the kernels
+    read each query's listing up to its last entry (`listed_width`) and skip the rest. Listings with -1 tails of
+    every length (none, all -1; the picks kept before them have holes), then _case's listing (holes anywhere): o,
+    lse, the gradients and the forward's probs (whose unread tail slots must read 0) == naive. A width that
+    stopped at the first -1 or counted the entries drops the entries after a hole."""
+    from dsv4.kernels.sparse_attn import entry_probs
+    from dsv4.kernels.sparse_attn.triton import listed_width
+    sh = SHAPES[shape]
+    ratio, k, lens = (3, 6, [31, 17]) if shape.startswith("tiny") else (4, 512, [31 * 97, 17 * 97])
+    (q, kv, comp, idx, sink), meta = _case("csa", lens, None, 0, **sh, ratio=ratio, k=k, seed=3)
+    Tq, kk = idx.shape
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    keep = torch.randint(0, kk + 1, (Tq,), generator=gen, device=DEV)                 # slots kept per query
+    keep[:3] = torch.tensor([0, kk, 1], device=DEV)
+    slot = torch.arange(kk, device=DEV)
+    tails = torch.where(slot[None, :] < keep[:, None], idx, -1)
+    assert torch.equal(listed_width(tails).long(), torch.where(tails >= 0, slot + 1, 0).amax(-1))
+    assert (tails[:, 0] < 0).any() and (listed_width(tails) == kk).any() and (tails == -1).any(-1).any()
+    scale = sh["c"] ** -0.5
+    em = dict(seg=meta["seg"], pos=meta["pos"], entry_seg=meta["entry_seg"], entry_j=meta["entry_j"], q_offset=0)
+    ins = [q, kv, comp, sink]
+    for listing in (tails, idx):                   # idx: _case's picks with holes (-1 anywhere)
+        o, lse, p = sparse_attn(q, kv, comp, listing, sink, sh["window"], ratio, scale, **meta, return_lse=True,
+                                return_probs=True, backend="triton")
+        ref, lse_n = sparse_attn(q, kv, comp, listing, sink, sh["window"], ratio, scale, **meta, return_lse=True,
+                                 backend="naive")
+        want_p = entry_probs(q, comp, listing, lse_n, ratio, scale, **em, backend="naive")
+        do = torch.randn_like(o)
+        got = torch.autograd.grad(o, ins, do)
+        want = torch.autograd.grad(ref, ins, do)
+        if shape.startswith("tiny"):               # fp32: summation order only (bounds of test_triton_matches_naive)
+            assert_close("o", o, ref, 2e-5, 1e-5)
+            assert_close("lse", lse, lse_n, 2e-5, 1e-5)
+            assert_close("probs", p, want_p, 2e-5, 1e-5)
+            for n, a, b in zip(("dq", "dkv", "dcomp", "dsink"), got, want):
+                assert_close(n, a, b, 5e-5, 1e-4)
+        else:                                      # bf16 (bounds of test_triton_matches_naive / entry_probs)
+            assert_rel("o", o, ref, 1e-2)
+            assert_rel("probs", p, want_p, 2e-2)
+            for n, a, b in zip(("dq", "dkv", "dcomp", "dsink"), got, want):
+                assert_rel(n, a, b, 5e-2 if n == "dcomp" else 2e-2)
+        assert (p[listing < 0] == 0).all()

@@ -23,6 +23,9 @@ window, entry completeness, from seg / pos / entry_seg / entry_j) masks the logi
 on the metadata gathers (two levels of indirection stall the software pipeline). Keys stream in tiles of BN rows
 (window rows are contiguous, CSA rows are gathered by index, HCA rows are contiguous), online softmax in the exp2 domain,
 seeded with the sink (running max = sink, running sum = 1), so a query with no key is well defined.
+A query's listing is read up to its last entry (`listed_width`, host side): a top-k lists a query's visible
+picks first, so the -1 tail of a query that sees fewer than k entries (the first m * k tokens of a document)
+costs no tile: 1/8 of the slots of an 8K-token document at m 4, k 512, more in packed rows of short documents.
 
 The indexer's joint teacher (`return_probs`, op.py): with listed entries the forward also stores each pick's logits
 [Tq, k, H] fp32 (STORE_S; -inf where not visible) and `_picks_probs` sums 2^(s - lse) over the heads once the
@@ -247,8 +250,8 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EH
     if MODE == 1:                                               # CSA: gathered top-k entries, one query at a time
         for j in range(0, BH // HB):                    # a loop: unrolled, it spilled 3x more
             tj = t0 + j
-            n_j = NSEL * (tj < TQ).to(tl.int32)                 # no picks past the last query
             uj = tl.minimum(tj, TQ - 1) + q_off
+            n_j = tl.load(EHI + tl.minimum(tj, TQ - 1)) * (tj < TQ).to(tl.int32)  # `listed_width`
             seg_j = tl.load(SEG + uj)
             pos_j = tl.load(POS + uj)
             for s0 in range(0, n_j, BN):
@@ -263,6 +266,12 @@ def _sparse_attn_fwd(Q, KV, COMP, IDX, SINK, O, LSE, SEG, POS, ESEG, EJ, ELO, EH
                 if STORE_S:                                     # the picks' logits (log2 units, -inf: not visible)
                     tl.store(S_OUT + tj * ss_t + offs_n[None, :] * H + offs_h[:, None], s,
                              mask=rmask[:, None] & (qi == j)[:, None] & (offs_n < n_j)[None, :])
+            if STORE_S:                                         # the unread tail of the listing (all -1): -inf
+                for s0 in range((n_j // BN) * BN, NSEL * (tj < TQ).to(tl.int32), BN):
+                    offs_n = s0 + tl.arange(0, BN)
+                    tl.store(S_OUT + tj * ss_t + offs_n[None, :] * H + offs_h[:, None],
+                             tl.full([BH, BN], float("-inf"), tl.float32),
+                             mask=rmask[:, None] & (qi == j)[:, None] & ((offs_n >= n_j) & (offs_n < NSEL))[None, :])
     if MODE == 2:                                               # HCA: every visible entry, the union of the ranges
         if BH == HB:
             e_lo = tl.load(ELO + t0)
@@ -366,8 +375,8 @@ def _sparse_attn_bwd(Q, KV, COMP, IDX, O, DO, LSE, DQ, DKV, DCOMP, DELTA, SEG, P
     if MODE == 1:
         for j in tl.static_range(BH // HB):             # unrolled: as a loop it spilled 3x more
             tj = t0 + j
-            n_j = NSEL * (tj < TQ).to(tl.int32)                 # no picks past the last query
             uj = tl.minimum(tj, TQ - 1) + q_off
+            n_j = tl.load(EHI + tl.minimum(tj, TQ - 1)) * (tj < TQ).to(tl.int32)  # `listed_width`
             seg_j = tl.load(SEG + uj)
             pos_j = tl.load(POS + uj)
             for s0 in range(0, n_j, BN):
@@ -473,6 +482,15 @@ def _prec(x):
     return "ieee" if x.dtype in (torch.float32, torch.float64) else "tf32"
 
 
+def listed_width(idx: torch.Tensor) -> torch.Tensor:
+    """idx [Tq, k] (-1 = none) -> [Tq] int32: 1 + the last slot holding an entry (0 for a row of -1 only). The
+    MODE_IDX kernels stop there: slots past it hold no entry, so skipping them changes no sum."""
+    if idx.shape[-1] == 0:
+        return torch.zeros(idx.shape[0], dtype=torch.int32, device=idx.device)
+    slot = torch.arange(1, idx.shape[-1] + 1, dtype=torch.int32, device=idx.device)
+    return torch.where(idx >= 0, slot, 0).amax(-1).to(torch.int32)
+
+
 def prepare(q, kv, comp, comp_idx, ratio, seg, pos, entry_seg, entry_j, q_off):
     """The launch metadata of one call: (mode, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, elo, ehi), with
     dummy pointers for what the mode does not read. Shared by `_SparseAttn.forward` and the backward custom op
@@ -493,6 +511,9 @@ def prepare(q, kv, comp, comp_idx, ratio, seg, pos, entry_seg, entry_j, q_off):
     ej = entry_j.contiguous() if mode != MODE_NONE else dummy
     if mode == MODE_ALL:
         elo, ehi = entry_ranges(seg[q_off:q_off + Tq], pos[q_off:q_off + Tq], eseg, ej, ratio)
+    elif mode == MODE_IDX:      # ehi: each query's listing width used (its last slot >= 0, plus 1): a top-k lists
+        elo = dummy.to(torch.int32)     # the visible picks first, so a query seeing < k entries skips its -1 tail
+        ehi = listed_width(idx_t)
     else:
         elo = ehi = dummy.to(torch.int32)
     return mode, nsel, ratio, comp_t, idx_t, seg, pos, eseg, ej, elo, ehi
