@@ -58,9 +58,9 @@ OPS = ["sparse_attn", "indexer", "compressor", "mhc", "swiglu", "cross_entropy",
 def _provenance():
     import torch
     import triton
-    from dsv4.harness.goldens import git_sha
+    from dsv4.harness.goldens import code_hash, git_sha
     sha = git_sha()[0]            # DSV4_GIT_SHA first: the device copy's .git can be stale
-    return {"git_sha": sha, "torch": torch.__version__,
+    return {"git_sha": sha, "code_hash": code_hash(), "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu, --smoke)",
             "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

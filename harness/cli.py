@@ -10,13 +10,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import click
 
 from dsv4.harness import errors
-from dsv4.harness.errors import BadInput, InputError
+from dsv4.harness.errors import BadInput, InputError, fail, one_line
 
 LAZY = {   # commands that live beside the code they drive
     "train": ("dsv4.harness.train.loop", "train_cmd"),
@@ -278,6 +279,48 @@ def diff_cmd(sid, platform, as_json):
     if as_json:
         emit_json({"slice": sl.id, "platform": platform, "changed": changed, "cases": out})
     sys.exit(1 if changed else 0)
+
+
+@goldens_grp.command("code")
+@click.argument("result", required=False, type=click.Path(dir_okay=False))
+@click.option("--at", "rev", default="HEAD", show_default=True, help="The commit to compare with.")
+@click.option("--json", "as_json", is_flag=True)
+def code_cmd(result, rev, as_json):
+    """The code hash (`goldens.code_hash`: model/, kernels/, harness/ .py files) of the files on disk and of commit
+    --at; with RESULT (a bench / golden JSON), whether every code_hash it records (its provenance's, each row's)
+    is that commit's. Exit 0: all match (or no RESULT), 1: a recorded hash is not the commit's, 2: RESULT
+    unreadable or recording no code_hash (written before it existed: cannot judge)."""
+    from dsv4.harness import goldens as G
+    try:
+        at = G.code_hash(rev)
+    except (OSError, subprocess.SubprocessError) as e:
+        fail(f"--at {rev}: not a commit of this repository ({one_line(e)})")
+    doc = {"disk": G.code_hash(), "at": rev, "at_hash": at}
+    code = 0
+    if result:
+        try:
+            data = json.loads(Path(result).read_text())
+        except (OSError, ValueError) as e:
+            fail(f"{result}: cannot read a JSON result ({one_line(e)})")
+        found = {}
+        if isinstance(data, dict):
+            if isinstance(data.get("provenance"), dict) and "code_hash" in data["provenance"]:
+                found["provenance"] = data["provenance"]["code_hash"]
+            for i, r in enumerate(data.get("results") or []):
+                if isinstance(r, dict) and "code_hash" in r:
+                    found[f"results[{i}] {r.get('impl', '')} {r.get('tokens', '')}".strip()] = r["code_hash"]
+        if not found:
+            fail(f"{result}: records no code_hash (written before provenance had one): cannot judge")
+        doc["result"], doc["recorded"] = result, found
+        doc["mismatch"] = sorted(k for k, v in found.items() if v != at)
+        code = 1 if doc["mismatch"] else 0
+    if as_json:
+        emit_json(doc)
+    else:
+        click.echo(f"code hash on disk {doc['disk']}, at {rev} {at}")
+        for k, v in doc.get("recorded", {}).items():
+            click.echo(f"  {k}: {v} {'==' if v == at else '!='} {rev}")
+    sys.exit(code)
 
 
 @goldens_grp.command("spread")

@@ -57,6 +57,32 @@ def git_sha() -> tuple[str, bool]:
         return "unknown", False
 
 
+CODE_DIRS = ("model", "kernels", "harness")   # what a measured number depends on (slices/ and goldens/ are not code)
+
+
+def code_hash(rev: str | None = None) -> str:
+    """A hash of the code itself: sha256 over (path, content) of every .py file under CODE_DIRS, sorted by path ->
+    16 hex digits. rev None: the files on disk (what runs, whatever .git says: the device machine's copy carries a
+    stale .git); rev a commit: the same files as committed there (`git ls-tree` / `git cat-file`). A result whose
+    code_hash equals code_hash(<sha>) ran that commit's code; `dsv4 provenance` prints both."""
+    h = hashlib.sha256()
+    if rev is None:
+        files = sorted(p.relative_to(REPO).as_posix() for d in CODE_DIRS for p in (REPO / d).rglob("*.py")
+                       if "__pycache__" not in p.parts)
+        read = lambda f: (REPO / f).read_bytes()                                # noqa: E731
+    else:
+        out = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, "--", *CODE_DIRS], cwd=REPO,
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        files = sorted(f for f in out.splitlines() if f.endswith(".py"))
+        read = lambda f: subprocess.run(["git", "cat-file", "blob", f"{rev}:{f}"], cwd=REPO, capture_output=True,  # noqa: E731
+                                        timeout=30, check=True).stdout
+    for f in files:
+        data = read(f)
+        h.update(f"{f}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()[:16]
+
+
 def platform_of(device: torch.device | str) -> str:
     """The goldens' platform name of a device (cpu | h200 | h100 | gb200, from the GPU's name), else "cuda"."""
     device = torch.device(device)
@@ -77,7 +103,7 @@ def provenance(platform: str, config=None, seed=None, command: str | None = None
     sha, dirty = git_sha()
     h = numerics.host()
     prov = {
-        "git_sha": sha, "git_dirty": dirty, "platform": platform, "seed": seed,
+        "git_sha": sha, "git_dirty": dirty, "code_hash": code_hash(), "platform": platform, "seed": seed,
         "config_hash": case_hash or (config_hash(config) if config is not None else None),
         "torch": torch.__version__, "python": _platform.python_version(),
         "machine": _platform.machine(), "host_cpu": h["cpu_model"], "host": h,

@@ -435,7 +435,8 @@ def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: i
     if smoke:
         prov["smoke"] = f"{config} on {device.type}: checks the machinery, the numbers mean nothing"
     sha, dirty = git_sha()
-    where = {"git_sha": sha, "git_dirty": dirty, "created": prov["created"], "torch": torch.__version__,
+    where = {"git_sha": sha, "git_dirty": dirty, "code_hash": prov["code_hash"], "created": prov["created"],
+             "torch": torch.__version__,
              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     new: list[dict] = []
 
