@@ -1,12 +1,15 @@
-"""The sparse-attention backward's transposed-dKV form (DKT, kernels/sparse_attn/triton.py `_bwd_tile`) at H = 16, on a
-GPU: the module re-built with the backward's configs replaced by DKT=True ones at BH 16 (mma.sync; the DKT faults
-seen on the H200 were at BH 64, wgmma), each in its own module (own autotuner). Why: the ncu profile of the CSA
-backward at 16K (session 26, goldens/h100/D3/ncu_sparse_bwd_csa16k_h16_69c89cb.metrics.json) is bound by L1 / shared
-memory (l1tex 79% of peak, shared wavefronts 66%, 106M bank conflicts; tensor pipe 17.5% active; 254 registers, 8
-warps an SM); the plain form reads q and dO from shared memory as the B operands of dKV = dSᵀ Q + Pᵀ dO on every key
-tile, the DKT form uses them as (transposed) A operands. Per case: the as-is backward and each DKT config, ms (do_bench
-median, L2 flushed) and the gradients' max relative difference to the as-is ones (bf16; atomics: not bit-equal).
-Shim on PYTHONPATH (harness/device/shim.sh). Usage: python3 harness/device/sparse_bwd_dkt_ab.py [S] > out.jsonl"""
+"""Variants of the sparse-attention backward's config at H = 16 on a GPU (the proxy's CSA / window / HCA at S tokens):
+the module re-built with its tuner given one config (VARIANTS), each in its own module, against the module as it is.
+Why: the ncu profile of the CSA backward at 16K (session 26, goldens/h100/D3/ncu_sparse_bwd_csa16k_h16_69c89cb.metrics
+.json) is bound by L1 / shared memory (l1tex 79% of peak, shared wavefronts 66%, 106M bank conflicts; tensor pipe 17.5%
+active; 254 registers and 83 KB of shared memory a block: 8 warps an SM; stalls: wait 34%, short scoreboard 26%, long
+scoreboard 13%). The plain form reads q and dO from shared memory as the B operands of dKV = dSᵀ Q + Pᵀ dO on every
+key tile; the transposed form (DKT, `_bwd_tile`) uses them as transposed A operands (its faults on the H200 were at
+BH 64, wgmma; at BH 16 it is mma.sync; interpreter-checked against naive in session 26, not yet run on a GPU). Per
+case and variant: bwd ms (do_bench median, L2 flushed), the gradients' max relative difference to the as-is ones
+(bf16, atomics: not bit-equal) and the config; a variant that faults prints its error (and poisons the context for
+the rest, so the DKT ones run last). Shim on PYTHONPATH (harness/device/shim.sh).
+Usage: python3 harness/device/sparse_bwd_dkt_ab.py [S] > out.jsonl"""
 import importlib
 import json
 import sys
@@ -19,18 +22,23 @@ from dsv4.harness.bench import _fwd_bwd, sparse_case
 
 SRC = Path(base.__file__).read_text()
 HEAD = "_BWD_CONFIGS = configs("
-VARIANTS = {          # the plain one first: a DKT fault would poison the context for what follows
-    "plain_bn32_w4_s2": "dict(BH=16, BN=32, DKT=False, num_warps=4, num_stages=2)",
-    "dkt_bn16_w4_s2": "dict(BH=16, BN=16, DKT=True, num_warps=4, num_stages=2)",
-    "dkt_bn32_w4_s1": "dict(BH=16, BN=32, DKT=True, num_warps=4, num_stages=1)",
-    "dkt_bn32_w8_s1": "dict(BH=16, BN=32, DKT=True, num_warps=8, num_stages=1)",
+# name -> the one GPU config of the variant's tuner: (meta-parameters, num_warps, num_stages, maxnreg). The
+# profile's occupancy: 2 blocks of 4 warps an SM, capped by registers (254) and by shared memory (83 KB a block);
+# the maxnreg / one-stage rows ask whether more resident warps hide the "wait" / short-scoreboard stalls (60%)
+VARIANTS = {          # the plain ones first: a DKT fault would poison the context for what follows
+    "plain_bn32_w4_s2": (dict(BH=16, BN=32, DKT=False), 4, 2, None),
+    "plain_bn16_w4_s1_r128": (dict(BH=16, BN=16, DKT=False), 4, 1, 128),
+    "plain_bn16_w4_s2_r168": (dict(BH=16, BN=16, DKT=False), 4, 2, 168),
+    "dkt_bn16_w4_s2": (dict(BH=16, BN=16, DKT=True), 4, 2, None),
+    "dkt_bn32_w4_s1": (dict(BH=16, BN=32, DKT=True), 4, 1, None),
+    "dkt_bn32_w8_s1": (dict(BH=16, BN=32, DKT=True), 8, 1, None),
 }
 mods = {"as_is": base}
-for v, cfg in VARIANTS.items():
+for v, (meta, w, st, reg) in VARIANTS.items():
     a = SRC.index(HEAD)
     b = SRC.index("prune=_bh_at_least_hb)", a) + len("prune=_bh_at_least_hb)")
-    src = SRC[:a] + f"{HEAD}gpu=[{cfg}], cpu=dict(BH=16, BN=16, DKT=False, num_warps=4, num_stages=1), " \
-                    "prune=_bh_at_least_hb)" + SRC[b:]
+    src = SRC[:a] + f"_BWD_CONFIGS = dict(configs=[triton.Config({meta!r}, num_warps={w}, num_stages={st}, " \
+                    f"maxnreg={reg})])" + SRC[b:]
     p = Path(base.__file__).with_name(f"_dkt_{v}.py")
     p.write_text(src)
     try:
