@@ -25,8 +25,12 @@ HEAD = "_BWD_CONFIGS = configs("
 # name -> the one GPU config of the variant's tuner: (meta-parameters, num_warps, num_stages, maxnreg). The
 # profile's occupancy: 2 blocks of 4 warps an SM, capped by registers (254) and by shared memory (83 KB a block);
 # the maxnreg / one-stage rows ask whether more resident warps hide the "wait" / short-scoreboard stalls (60%)
+# BN 32 / 64 at 4 warps: the [16, BN] logits and dP tiles of the tuned BN 16 are 2 n8 mma tiles for 4 warps, so
+# (probably) replicated across warps: 281M ldmatrix, ~220 KB of shared reads a 16-key tile, where the operands are ~110
 VARIANTS = {          # the plain ones first: a DKT fault would poison the context for what follows
     "plain_bn32_w4_s2": (dict(BH=16, BN=32, DKT=False), 4, 2, None),
+    "plain_bn32_w4_s1": (dict(BH=16, BN=32, DKT=False), 4, 1, None),
+    "plain_bn64_w4_s1": (dict(BH=16, BN=64, DKT=False), 4, 1, None),
     "plain_bn16_w4_s1_r128": (dict(BH=16, BN=16, DKT=False), 4, 1, 128),
     "plain_bn16_w4_s2_r168": (dict(BH=16, BN=16, DKT=False), 4, 2, 168),
     "dkt_bn16_w4_s2": (dict(BH=16, BN=16, DKT=True), 4, 2, None),
