@@ -10,7 +10,6 @@ case and variant: bwd ms (do_bench median, L2 flushed), the gradients' max relat
 (bf16, atomics: not bit-equal) and the config; a variant that faults prints its error (and poisons the context for
 the rest, so the DKT ones run last). Shim on PYTHONPATH (harness/device/shim.sh).
 Usage: python3 harness/device/sparse_bwd_dkt_ab.py [S] > out.jsonl"""
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 import dsv4.kernels.sparse_attn.triton as base
 from dsv4.harness.bench import _fwd_bwd, sparse_case
+from dsv4.harness.device.variants import module_variant
 
 SRC = Path(base.__file__).read_text()
 HEAD = "_BWD_CONFIGS = configs("
@@ -43,12 +43,7 @@ for v, (meta, w, st, reg) in VARIANTS.items():
     b = SRC.index("prune=_bh_at_least_hb)", a) + len("prune=_bh_at_least_hb)")
     src = SRC[:a] + f"_BWD_CONFIGS = dict(configs=[triton.Config({meta!r}, num_warps={w}, num_stages={st}, " \
                     f"maxnreg={reg})])" + SRC[b:]
-    p = Path(base.__file__).with_name(f"_dkt_{v}.py")
-    p.write_text(src)
-    try:
-        mods[v] = importlib.import_module(f"dsv4.kernels.sparse_attn._dkt_{v}")
-    finally:
-        p.unlink()                                        # imported (Triton keeps the source): leave no file behind
+    mods[v] = module_variant(base, src, f"dkt_{v}")
 
 S = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
 c, window = 512, 128

@@ -7,7 +7,6 @@
 So atomic - store = the RMW, store - sum = the dKV write traffic, sum - nodk = the two dKV products. Cases: H heads
 x window / CSA / HCA at S tokens, the `dsv4 bench kernels` inputs. Timing only: the variants' gradients are wrong by
 design. Writes $OUT/sparse_bwd_parts.json. Shim on PYTHONPATH (harness/device/shim.sh); CASES overrides."""
-import importlib
 import json
 import os
 import re
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 
 from dsv4.harness.bench import _fwd_bwd, _tuned_ms, sparse_case
+from dsv4.harness.device.variants import module_variant
 import dsv4.kernels.sparse_attn.triton as base
 
 SRC = Path(base.__file__).read_text()
@@ -32,12 +32,7 @@ for v, body in BODY.items():
     b = SRC.index("\n\n\n", a)
     doc = re.match(r'\s*""".*?"""\n', SRC[a:b], re.S)
     src = SRC[:a] + (doc.group(0) if doc else "") + body + SRC[b:]
-    p = Path(base.__file__).with_name(f"_parts_{v}.py")
-    p.write_text(src)
-    try:
-        mods[v] = importlib.import_module(f"dsv4.kernels.sparse_attn._parts_{v}")
-    finally:
-        p.unlink()                                        # imported (Triton keeps the source): leave no file behind
+    mods[v] = module_variant(base, src, f"parts_{v}")
 
 S, c, window = 16384, 512, 128
 cases = [x.split(":") for x in os.environ.get("CASES", "16:window,16:csa,16:hca,64:csa").split(",")]
