@@ -64,7 +64,7 @@ def code_hash(rev: str | None = None) -> str:
     """A hash of the code itself: sha256 over (path, content) of every .py file under CODE_DIRS, sorted by path ->
     16 hex digits. rev None: the files on disk (what runs, whatever .git says: the device machine's copy carries a
     stale .git); rev a commit: the same files as committed there (`git ls-tree` / `git cat-file`). A result whose
-    code_hash equals code_hash(<sha>) ran that commit's code; `dsv4 provenance` prints both."""
+    code_hash equals code_hash(<sha>) ran that commit's code (`dsv4 goldens code RESULT --at SHA`)."""
     h = hashlib.sha256()
     if rev is None:
         files = sorted(p.relative_to(REPO).as_posix() for d in CODE_DIRS for p in (REPO / d).rglob("*.py")

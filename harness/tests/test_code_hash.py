@@ -3,6 +3,7 @@ checkout's .git is stale (the device machine's copy: session 26's bench rows rec
 69c89cb). On a scratch git repository: the files on disk and the same files at a commit hash alike; an edit to a
 model / kernel / harness .py changes it, other files do not; `dsv4 goldens code RESULT` exits 0 / 1 / 2."""
 import json
+import os
 import subprocess
 
 import pytest
@@ -15,7 +16,7 @@ from dsv4.harness.cli import main
 def _git(repo, *args):
     subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True,
                    env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-                        "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(repo), "PATH": "/usr/bin:/bin"})
+                        "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(repo), "PATH": os.environ["PATH"]})
 
 
 @pytest.fixture

@@ -415,7 +415,7 @@ def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: i
     import os
 
     from dsv4.harness.errors import BadInput, need_cuda
-    from dsv4.harness.goldens import atomic_write_json, git_sha, platform_of, provenance
+    from dsv4.harness.goldens import atomic_write_json, platform_of, provenance
     from dsv4.model.config import get_config
     toks, names = parse_args(",".join(map(str, tokens)), batch, ",".join(impls), steps, warmup, compile_)
     config = config or ("debug" if smoke else "proxy")
@@ -434,10 +434,8 @@ def run(config: str | None, tokens: list[int], batch: int, steps: int, warmup: i
     prov = provenance(platform, config=cfg.to_dict())
     if smoke:
         prov["smoke"] = f"{config} on {device.type}: checks the machinery, the numbers mean nothing"
-    sha, dirty = git_sha()
-    where = {"git_sha": sha, "git_dirty": dirty, "code_hash": prov["code_hash"], "created": prov["created"],
-             "torch": torch.__version__,
-             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    where = {k: prov[k] for k in ("git_sha", "git_dirty", "code_hash", "created")}     # each row's own, from prov
+    where.update(torch=torch.__version__, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
     new: list[dict] = []
 
     def doc(pending=None):
