@@ -354,7 +354,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=dt, device=y.device)
         safe = torch.where(valid, labels, torch.zeros_like(labels))
         if grad_in_forward:                                                    # only the gradients asked for
-            need_dy, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            need_dy, need_dw = grad_in_forward                                 # the caller's requires_grad (below)
             dy = torch.empty_like(y) if need_dy else None
             dw = None                                                          # [V, d] in dt once a block is in
             unit = valid.to(dt) / n if mean else valid.to(dt)                  # [N]: dLoss of each row at g = 1
@@ -413,7 +413,11 @@ def head_cross_entropy(y: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     if grads not in HEAD_CE:
         raise ValueError(f"head_cross_entropy: grads must be one of {', '.join(HEAD_CE)}, got {grads!r}")
     y, weight = autocast_operands(y, weight)
-    in_fwd = grads == "grad_in_forward" and torch.is_grad_enabled() and (y.requires_grad or weight.requires_grad)
+    # grad_in_forward: which gradients the forward forms, (dy?, dW?) from the inputs' requires_grad here, not from
+    # ctx.needs_input_grad inside the forward: a Dynamo trace of the forward may read that as all False (the suspect
+    # of session 26's torch 2.11 result, every gradient of P11's compiled region missing with the loss bit-equal)
+    need = (y.requires_grad, weight.requires_grad)
+    in_fwd = need if grads == "grad_in_forward" and torch.is_grad_enabled() and any(need) else False
     return _HeadCrossEntropy.apply(y, weight, labels, chunk, reduction == "mean", backend, in_fwd)
 
 
