@@ -33,7 +33,8 @@
 #                     ours_packed_graph 16K (P11: the whole packed step as one captured CUDA graph), ours 64K + 128K B=1 (bench_long, TL= its limit,
 #                     150 s; LONGARGS= the bench flags, default "--recompute-from 131072": 64K without recompute (it
 #                     fit an H100 at 64.1 GiB, 93.3K tok/s, session 25), 128K with; LONGARGS="" for recompute from 32K;
-#                     LONGIMPLS=ours,ours_cudagraph adds the CUDA-graph rows: not yet run at 64K / 128K).
+#                     LONGIMPLS=ours,ours_cudagraph adds the CUDA-graph rows: not yet run at 64K / 128K; each row
+#                     is written before its profile step, which a time limit may cut).
 #                     With a cold Triton cache bench_long needs more than 150 s (7298853: cut before its
 #                     first row): run it after `warm` / another row, or carry .dcache/ from a CACHES=1 call
 # Every run dir keeps golden_values.json, run.json, metrics.jsonl (metrics.jsonl is written per step, so a run cut by
@@ -116,7 +117,7 @@ elif [ "$WHAT" = speed ]; then
     bench_out_rope) run $st $(left ${TR:-170}) "$BT $SM --tokens ${TOKS:-$T4,$T16} --batch 2 --impls ours --out-rope fused,separate --append --out $OUT/bench_train.json" ;;
     bench_packed) run $st $(left ${TR:-170}) "$BT $SM --tokens $T16 --batch 2 --impls ours_packed --profile --append --out $OUT/bench_train.json" ;;
     bench_packed_graph) run $st $(left ${TR:-170}) "$BT $SM --tokens $T16 --batch 2 --impls ours_packed,ours_packed_graph --profile --append --out $OUT/bench_train.json" ;;
-    bench_long) run $st $(left ${TL:-150}) "$BT $SM --steps 3 --warmup 1 --tokens $(( T16 * 4 )),$(( T16 * 8 )) --batch 1 --impls ${LONGIMPLS:-ours} ${LONGARGS---recompute-from 131072} --append --out $OUT/bench_train.json" ;;
+    bench_long) run $st $(left ${TL:-150}) "$BT $SM --steps 3 --warmup 1 --tokens $(( T16 * 4 )),$(( T16 * 8 )) --batch 1 --impls ${LONGIMPLS:-ours} ${LONGARGS---recompute-from 131072} --profile --append --out $OUT/bench_train.json" ;;
     bench_*) run $st $(left 240) "$BT $SM --tokens $T4 --batch 2 --impls ${st#bench_} --profile --append --out $OUT/bench_train.json" ;;
   esac; done
 fi
