@@ -33,6 +33,7 @@ VARIANTS = {          # the plain ones first: a DKT fault would poison the conte
     "plain_bn64_w4_s1": (dict(BH=16, BN=64, DKT=False), 4, 1, None),
     "plain_bn16_w4_s1_r128": (dict(BH=16, BN=16, DKT=False), 4, 1, 128),
     "plain_bn16_w4_s2_r168": (dict(BH=16, BN=16, DKT=False), 4, 2, 168),
+    "plain_bh32_bn32_w4_s1": (dict(BH=32, BN=32, DKT=False), 4, 1, None),   # 2 queries share window / HCA tiles
     "dkt_bn16_w4_s2": (dict(BH=16, BN=16, DKT=True), 4, 2, None),
     "dkt_bn32_w4_s1": (dict(BH=16, BN=32, DKT=True), 4, 1, None),
     "dkt_bn32_w8_s1": (dict(BH=16, BN=32, DKT=True), 8, 1, None),
