@@ -362,7 +362,10 @@ class _HeadCrossEntropy(torch.autograd.Function):
             rows = slice(a, a + chunk)
             logits = F.linear(y[rows], weight)                                 # [C, V] in W's dtype
             l, tgt = ce_lse(logits, safe[rows], backend=backend)               # [C] each
-            total += torch.where(valid[rows], l - tgt, torch.zeros_like(l)).sum()
+            # out of place: with "sum" the Function returns `total`, and torch 2.11's Dynamo routes the gradient
+            # of a returned tensor that its forward mutated in place to the wrong output slot (zero gradients:
+            # pytorch#180642, fixed in 2.12); the same adds in the same order as `+=`
+            total = total + torch.where(valid[rows], l - tgt, torch.zeros_like(l)).sum()
             lse[rows] = l
             if grad_in_forward:
                 gl = ce_dlogits(logits, l, safe[rows], unit[rows], backend=backend)   # dlogits [C, V]
