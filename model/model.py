@@ -416,9 +416,7 @@ def head_cross_entropy(y: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     if grads not in HEAD_CE:
         raise ValueError(f"head_cross_entropy: grads must be one of {', '.join(HEAD_CE)}, got {grads!r}")
     y, weight = autocast_operands(y, weight)
-    # grad_in_forward: which gradients the forward forms, (dy?, dW?) from the inputs' requires_grad here, not from
-    # ctx.needs_input_grad inside the forward: a Dynamo trace of the forward may read that as all False (the suspect
-    # of session 26's torch 2.11 result, every gradient of P11's compiled region missing with the loss bit-equal)
+    # grad_in_forward: which gradients the forward forms, (dy?, dW?), from the inputs' requires_grad at the call
     need = (y.requires_grad, weight.requires_grad)
     in_fwd = need if grads == "grad_in_forward" and torch.is_grad_enabled() and any(need) else False
     return _HeadCrossEntropy.apply(y, weight, labels, chunk, reduction == "mean", backend, in_fwd)
