@@ -362,7 +362,10 @@ class _HeadCrossEntropy(torch.autograd.Function):
             rows = slice(a, a + chunk)
             logits = F.linear(y[rows], weight)                                 # [C, V] in W's dtype
             l, tgt = ce_lse(logits, safe[rows], backend=backend)               # [C] each
-            total += torch.where(valid[rows], l - tgt, torch.zeros_like(l)).sum()
+            # out of place: with "sum" the Function returns `total`, and torch 2.11's Dynamo routes the gradient
+            # of a returned tensor that its forward mutated in place to the wrong output slot (zero gradients:
+            # pytorch#180642, fixed in 2.12); the same adds in the same order as `+=`
+            total = total + torch.where(valid[rows], l - tgt, torch.zeros_like(l)).sum()
             lse[rows] = l
             if grad_in_forward:
                 gl = ce_dlogits(logits, l, safe[rows], unit[rows], backend=backend)   # dlogits [C, V]
@@ -413,9 +416,7 @@ def head_cross_entropy(y: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     if grads not in HEAD_CE:
         raise ValueError(f"head_cross_entropy: grads must be one of {', '.join(HEAD_CE)}, got {grads!r}")
     y, weight = autocast_operands(y, weight)
-    # grad_in_forward: which gradients the forward forms, (dy?, dW?) from the inputs' requires_grad here, not from
-    # ctx.needs_input_grad inside the forward: a Dynamo trace of the forward may read that as all False (the suspect
-    # of session 26's torch 2.11 result, every gradient of P11's compiled region missing with the loss bit-equal)
+    # grad_in_forward: which gradients the forward forms, (dy?, dW?), from the inputs' requires_grad at the call
     need = (y.requires_grad, weight.requires_grad)
     in_fwd = need if grads == "grad_in_forward" and torch.is_grad_enabled() and any(need) else False
     return _HeadCrossEntropy.apply(y, weight, labels, chunk, reduction == "mean", backend, in_fwd)

@@ -549,12 +549,18 @@ def listed_scores_bwd(dI: torch.Tensor, qI: torch.Tensor, kI: torch.Tensor, w: t
     dense = N * nI <= DENSE_DK * k
     sub = max(1, DENSE_DK_BYTES // max(1, nI * N * kI.element_size())) if dense else Tq   # queries per launch
     coef = (nI * cI) ** -0.5
+    # S [N, R, nI] of each launch: one zeroed buffer for the whole call. A launch writes only its queries' picks
+    # (k of the N rows), so after its GEMM those picks are set back to 0, and the next launch finds S all zero.
+    # (A fresh zeroed S per launch was 64 fills of 512 MiB a CSA layer at 64K tokens: 19 ms of a 662 ms step.)
+    buf = torch.zeros(N * min(sub, Tq) * nI, device=qI.device, dtype=kI.dtype) if dense else dk   # dummy if not
     for b in range(0, Tq, sub):
         e = min(b + sub, Tq)
-        S = torch.zeros(N, e - b, nI, device=qI.device, dtype=kI.dtype) if dense else dk      # dummy if not dense
+        S = buf[:N * (e - b) * nI].view(N, e - b, nI) if dense else dk
         _listed_bwd[(e - b,)](qI, kI, w, idx, dI, dq, dw, S, dk, b, e - b, qI.stride(0), qI.stride(1),
                               kI.stride(0), w.stride(0), idx.stride(0), nI, cI, k, N, coef, NP=pow2(nI), CP=pow2(cI),
                               PREC=_prec(qI), DENSE=dense)
         if dense:                                                                   # dkI += S qI  [N, cI]
             dk += (S.view(N, -1) @ qI[b:e].flatten(0, 1).to(kI.dtype)).float()
+            picks = idx[b:e].clamp_min(0)            # [R, k]; a -1 slot zeroes row 0, which is zeroed anyway
+            S[picks, torch.arange(e - b, device=idx.device)[:, None]] = 0                # [R, k, nI] back to 0
     return dq, dk.to(kI.dtype), dw
