@@ -73,6 +73,28 @@ def _check(got, ref, y, w, tok, dout):
     assert (err <= bound).all(), f"dw: max |diff| / bound {(err / bound).max():.2f}"
 
 
+@pytest.mark.parametrize("T, K", [(7, 3), (5, 1), (70, 4), (1, 6),
+                                  pytest.param(16384, 4, marks=pytest.mark.skipif(not CUDA, reason="GPU races"))])
+def test_slots_of_tokens_is_the_stable_argsort(T, K):
+    """The forward's [T, K] slot lists (an atomic counter a token, then a row sort) against argsort(tok, stable)
+    viewed [T, K], exactly, on the model's layout (expert-sorted slots) and on a random K-regular permutation; a tok
+    that is not K-regular stays in range (zeros where a row is short). The interpreter hands out the places in slot
+    order; the counters race only on a GPU (the proxy's 16K case), where a missing row sort fails."""
+    from dsv4.kernels.moe_combine.triton import slots_of_tokens
+    _, _, tok, _ = _case(T, K, K + 3, 1, torch.float32, seed=T * K)
+    g = torch.Generator(device=DEV).manual_seed(K)
+    shuffled = torch.arange(T * K, device=DEV)[torch.randperm(T * K, generator=g, device=DEV)] // K
+    for t in (tok, shuffled):
+        got = slots_of_tokens(t, T)
+        assert got.dtype == torch.int32 and got.shape == (T, K)
+        assert torch.equal(got.long(), torch.argsort(t, stable=True).view(T, K))
+    if T > 1 and K > 1:
+        bad = tok.clone()
+        bad[bad == 1] = 0                                                      # token 0: 2K slots, token 1: none
+        got = slots_of_tokens(bad, T)
+        assert got.min() >= 0 and got.max() < T * K and (got[1] == 0).all()
+
+
 @pytest.mark.parametrize("T, K, d", [(7, 3, 37), (5, 1, 8), (3, 4, 70)])
 def test_triton_matches_naive_fp32(T, K, d):
     y, w, tok, dout = _case(T, K, K + 3, d, torch.float32, seed=T * d)
