@@ -118,13 +118,13 @@ def test_profile_summary_of_device_events():
         return SimpleNamespace(name=name, device_type=dev, time_range=SimpleNamespace(start=0, end=us),
                                self_cpu_time_total=us, is_user_annotation=ann, activity_type=act)
     C, G = DeviceType.CPU, DeviceType.CUDA
-    evs = [ev("k" * 100, G, 300), ev("gemm", G, 100), ev("gemm", G, 100), ev("Memcpy HtoD", G, 50, "gpu_memcpy"),
+    evs = [ev("k" * 300, G, 300), ev("gemm", G, 100), ev("gemm", G, 100), ev("Memcpy HtoD", G, 50, "gpu_memcpy"),
            ev("## block ##", G, 900, "gpu_user_annotation", True), ev("cudaLaunchKernel", C, 5, "cuda_runtime"),
            ev("cudaGraphLaunch", C, 7, "cuda_runtime"), ev("aten::mm", C, 20, "cpu_op")]
     s = summarize(SimpleNamespace(events=lambda: evs), 0.002)
     assert s["launch_unit"] == "kernel" and s["launches_per_step"] == 3 and s["device_ms"] == pytest.approx(0.5)
     assert s["host_launch_calls"] == 2 and s["host_ms"] == pytest.approx(2.0) and s["cpu_ops_per_step"] == 3
-    assert [(k["name"], k["count"]) for k in s["top_kernels"]] == [("k" * 80, 1), ("gemm", 2)]
+    assert [(k["name"], k["count"]) for k in s["top_kernels"]] == [("k" * 240, 1), ("gemm", 2)]
     assert s["top_kernels"][1]["share"] == pytest.approx(0.4)
     assert s["top_cpu_ops"][0]["name"] == "aten::mm"
 
