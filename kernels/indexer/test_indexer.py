@@ -318,6 +318,26 @@ def test_listed_scores_dk_routes_equal_naive(monkeypatch, route, nI):
         assert_close(f"{route} {n}", a, b, 1e-5, 1e-5)
 
 
+@pytest.mark.skipif(not CUDA, reason="CUDA graph capture: GPU only")
+def test_listed_scores_bwd_captures_in_a_cuda_graph(monkeypatch):
+    """The backward captured in a CUDA graph (as P11's packed step and `ours_cudagraph` capture it) and replayed ==
+    eager, bit for bit, with S in several launches (the per-launch reset). At cde260c the reset's Python 0 was a CPU
+    tensor copied over during capture: every captured training step failed."""
+    q, kI, w, idx, dI = _listed_case(11, nI=16, drop=0.3, dev="cuda")
+    N = kI.shape[0]
+    monkeypatch.setattr(tri, "DENSE_DK_BYTES", 16 * N * 4 * 7)                  # 7 queries a launch
+    ref = tri.listed_scores_bwd(dI, q, kI, w, idx)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = tri.listed_scores_bwd(dI, q, kI, w, idx)
+    for _ in range(2):                                                           # the reset leaves S zero for the next
+        g.replay()
+        torch.cuda.synchronize()
+        for n, a, b in zip(("dq", "dk", "dw"), got, ref):
+            assert torch.equal(a, b), n
+
+
 @pytest.mark.skipif(not CUDA, reason="bf16 tensor-core products: GPU only (the interpreter's bf16 dot is wrong)")
 @pytest.mark.parametrize("N", [1024, 16384])                  # proxy 4K (S-GEMM dk) | 64K-token rows (still S-GEMM)
 def test_listed_scores_bf16_matches_naive_on_gpu(N):

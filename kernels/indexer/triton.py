@@ -553,6 +553,9 @@ def listed_scores_bwd(dI: torch.Tensor, qI: torch.Tensor, kI: torch.Tensor, w: t
     # (k of the N rows), so after its GEMM those picks are set back to 0, and the next launch finds S all zero.
     # (A fresh zeroed S per launch was 64 fills of 512 MiB a CSA layer at 64K tokens: 19 ms of a 662 ms step.)
     buf = torch.zeros(N * min(sub, Tq) * nI, device=qI.device, dtype=kI.dtype) if dense else dk   # dummy if not
+    # the reset's value on the device: a Python 0 is a CPU tensor that index_put_ copies over, which a CUDA graph's
+    # capture refuses (every captured step: P11, `ours_cudagraph`, `--cuda-graphs`; H100 at cde260c)
+    zero = torch.zeros((), device=qI.device, dtype=kI.dtype)
     for b in range(0, Tq, sub):
         e = min(b + sub, Tq)
         S = buf[:N * (e - b) * nI].view(N, e - b, nI) if dense else dk
@@ -562,5 +565,5 @@ def listed_scores_bwd(dI: torch.Tensor, qI: torch.Tensor, kI: torch.Tensor, w: t
         if dense:                                                                   # dkI += S qI  [N, cI]
             dk += (S.view(N, -1) @ qI[b:e].flatten(0, 1).to(kI.dtype)).float()
             picks = idx[b:e].clamp_min(0)            # [R, k]; a -1 slot zeroes row 0, which is zeroed anyway
-            S[picks, torch.arange(e - b, device=idx.device)[:, None]] = 0                # [R, k, nI] back to 0
+            S.index_put_((picks, torch.arange(e - b, device=idx.device)[:, None]), zero)   # [R, k, nI] back to 0
     return dq, dk.to(kI.dtype), dw
