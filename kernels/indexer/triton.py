@@ -512,6 +512,19 @@ def _listed_bwd(Q, K, W, IDX, DI, DQ, DW, S, DK, t0, R, sq_t, sq_h, sk, sw, si, 
     tl.store(DW + t * sw + h, (dw * coef).to(DW.dtype.element_ty), mask=hm)
 
 
+@triton.jit
+def _zero_picks(IDX, S, t0, R, si, k, NI: tl.constexpr, NP: tl.constexpr, BK: tl.constexpr):
+    """S[col, r, :] = 0 at the picks of query t0 + r: what `_listed_bwd` stored there, so S is all zero again."""
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, NP)
+    for s0 in range(0, k, BK):
+        slots = s0 + tl.arange(0, BK)
+        col = tl.load(IDX + (t0 + r) * si + slots, mask=slots < k, other=-1)      # [BK]
+        live = col >= 0
+        smask = live[None, :] if NP == NI else (h < NI)[:, None] & live[None, :]  # as `_listed_bwd`'s store
+        tl.store(S + (col[None, :] * R + r) * NI + h[:, None], tl.zeros([NP, BK], S.dtype.element_ty), mask=smask)
+
+
 def listed_scores(qI: torch.Tensor, kI: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """`naive.indexer_scores_listed` (forward only): qI [Tq,nI,cI], kI [N,cI], w [Tq,nI], idx [Tq,k] -> [Tq,k]
     fp32, -inf at -1."""
@@ -553,9 +566,6 @@ def listed_scores_bwd(dI: torch.Tensor, qI: torch.Tensor, kI: torch.Tensor, w: t
     # (k of the N rows), so after its GEMM those picks are set back to 0, and the next launch finds S all zero.
     # (A fresh zeroed S per launch was 64 fills of 512 MiB a CSA layer at 64K tokens: 19 ms of a 662 ms step.)
     buf = torch.zeros(N * min(sub, Tq) * nI, device=qI.device, dtype=kI.dtype) if dense else dk   # dummy if not
-    # the reset's value on the device: a Python 0 is a CPU tensor that index_put_ copies over, which a CUDA graph's
-    # capture refuses (every captured step: P11, `ours_cudagraph`, `--cuda-graphs`; H100 at cde260c)
-    zero = torch.zeros((), device=qI.device, dtype=kI.dtype)
     for b in range(0, Tq, sub):
         e = min(b + sub, Tq)
         S = buf[:N * (e - b) * nI].view(N, e - b, nI) if dense else dk
@@ -564,6 +574,8 @@ def listed_scores_bwd(dI: torch.Tensor, qI: torch.Tensor, kI: torch.Tensor, w: t
                               PREC=_prec(qI), DENSE=dense)
         if dense:                                                                   # dkI += S qI  [N, cI]
             dk += (S.view(N, -1) @ qI[b:e].flatten(0, 1).to(kI.dtype)).float()
-            picks = idx[b:e].clamp_min(0)            # [R, k]; a -1 slot zeroes row 0, which is zeroed anyway
-            S.index_put_((picks, torch.arange(e - b, device=idx.device)[:, None]), zero)   # [R, k, nI] back to 0
+            # back to 0 by a store at the picks: ATen's index_put_ of a [R, k] index took 55 us a launch at 64K
+            # and 0.45 ms at 16K (H100, cde260c), more than the fill it replaced; a Python 0 there was also a CPU
+            # tensor copied over, which CUDA graph capture refuses (fixed at 76ffe84)
+            _zero_picks[(e - b,)](idx, S, b, e - b, idx.stride(0), k, NI=nI, NP=pow2(nI), BK=64)
     return dq, dk.to(kI.dtype), dw
