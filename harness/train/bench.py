@@ -398,6 +398,8 @@ def _progress(rec) -> str:
         p = rec["profile"]
         line += f", {p['launches_per_step']} {p['launch_unit']}s/step, host {p['host_ms']:.0f} ms"
         line += "" if p["device_ms"] is None else f", device {p['device_ms']:.0f} ms"
+        idle = p.get("device_idle")
+        line += "" if idle is None else f" (idle {idle['idle_ms']:.1f} ms in {idle['gaps']} gaps)"
         line += "" if p.get("host_syncs") is None else f", {p['host_syncs']['per_step']} host syncs"
     if "compile_stats" in rec:
         line += ", " + " ".join(f"{k}={v}" for k, v in rec["compile_stats"].items())

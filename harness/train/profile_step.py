@@ -6,7 +6,9 @@ result, and a command writing the full tables for our model on a GPU.
 `profile_summary(step, device)`: one step under the profiler (CUDA activity on a GPU, CPU otherwise) ->
 launches_per_step (device kernel events; on CPU, CPU op events: `launch_unit` says which), device_ms (sum of
 kernel time; None on CPU), host_ms (wall of the profiled step), host_launch_calls (CUDA runtime launch calls,
-cudaGraphLaunch included), the top 60 kernels by device time, the top 15 CPU ops by self CPU time, and
+cudaGraphLaunch included), the top 60 kernels by device time, the top 15 CPU ops by self CPU time,
+`device_idle` (CUDA only: the step's kernel span, busy and idle time, and its 10 longest gaps between kernels with
+the kernels around each and the innermost host op running in it: where a host-bound step waits), and
 `host_syncs` (CUDA only: the step's synchronising CUDA calls -- .item(), nonzero, host<->device copies -- counted
 by torch.cuda.set_sync_debug_mode in one more step, each attributed to the innermost frame of this repo).
 
@@ -91,11 +93,48 @@ TOP_KERNELS, TOP_OPS = 60, 15           # rows kept in a summary (25 kernels lef
 NAME_CHARS = 240                         # a mangled CUTLASS / ATen name differs only past its first 80 characters
 
 
+TOP_GAPS = 10                            # device idle gaps kept in a summary
+
+
+def device_idle(kernels: list[tuple[float, float, str]], ops: list[tuple[float, float, str]],
+                top: int = TOP_GAPS) -> dict | None:
+    """Where the device waits inside one step: kernels [(start_us, end_us, name)] (any stream) merged into busy
+    intervals; span = first start to last end, idle = span - busy. The `top` longest gaps between busy intervals,
+    each with the kernel that ended before it, the one that started after it, and the innermost host op
+    [(start_us, end_us, name)] running at its midpoint (what the host was doing while the device waited; None: no
+    op, i.e. Python between ops). None without kernels."""
+    if not kernels:
+        return None
+    ks = sorted(kernels)
+    busy, gaps = 0.0, []
+    s0, e0, last = ks[0][0], ks[0][1], ks[0][2]
+    for s, e, n in ks[1:]:
+        if s > e0:                                                          # a gap: the device had nothing to run
+            busy += e0 - s0
+            gaps.append((s - e0, e0, s, last, n))
+            s0, e0 = s, e
+        elif e > e0:
+            e0 = e
+        if e >= e0:
+            last = n
+    busy += e0 - s0
+    span = max(e for _, e, _ in ks) - ks[0][0]
+
+    def host_op(t):
+        inside = [(e - s, n) for s, e, n in ops if s <= t <= e]
+        return min(inside)[1] if inside else None
+    rows = [{"ms": g / 1e3, "after": a[:NAME_CHARS], "before": b[:NAME_CHARS], "host_op": host_op((ge + gs) / 2)}
+            for g, ge, gs, a, b in sorted(gaps, key=lambda r: -r[0])[:top]]
+    return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3, "gaps": len(gaps),
+            "top_gaps": rows}
+
+
 def summarize(prof, host_s: float, top_kernels: int = TOP_KERNELS, top_ops: int = TOP_OPS) -> dict:
     """The compact summary of one profiled step (see the module docstring); no trace is kept."""
     from torch.autograd import DeviceType
     evs = prof.events()
     kernels, ops, launch_calls = {}, {}, 0
+    spans, op_spans = [], []                                                   # (start, end, name): device_idle
     n_kernels = n_ops = 0
     device_us = cpu_self_us = 0.0
     for e in evs:
@@ -105,6 +144,7 @@ def summarize(prof, host_s: float, top_kernels: int = TOP_KERNELS, top_ops: int 
             if e.name in _LAUNCH_CALLS:
                 launch_calls += 1
             us = e.self_cpu_time_total
+            op_spans.append((e.time_range.start, e.time_range.end, e.name))   # runtime calls too (cudaMalloc)
             n_ops += 1
             cpu_self_us += us
             a = ops.setdefault(e.name, [0.0, 0])
@@ -113,6 +153,7 @@ def summarize(prof, host_s: float, top_kernels: int = TOP_KERNELS, top_ops: int 
                     str(getattr(e, "activity_type", "") or "") in ("gpu_memcpy", "gpu_memset"):
                 continue
             us = e.time_range.end - e.time_range.start
+            spans.append((e.time_range.start, e.time_range.end, e.name))
             n_kernels += 1
             device_us += us
             a = kernels.setdefault(e.name, [0.0, 0])
@@ -127,6 +168,7 @@ def summarize(prof, host_s: float, top_kernels: int = TOP_KERNELS, top_ops: int 
             "host_ms": host_s * 1e3,
             "top_kernels": _top(kernels, device_us, top_kernels),
             "top_cpu_ops": _top(ops, cpu_self_us, top_ops),
+            "device_idle": device_idle(spans, op_spans),
             "note": "one step under torch.profiler (its overhead included); shares of the summed time"}
 
 

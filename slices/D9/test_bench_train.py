@@ -107,6 +107,25 @@ def test_profile_summary_on_cpu(tmp_path):
     assert any(o["name"] in ("aten::mm", "aten::addmm", "aten::bmm") for o in ops)
 
 
+def test_device_idle_finds_the_gaps_and_the_host_op_in_them():
+    """`device_idle` on a stand-in timeline: overlapping kernels on two streams merge into busy intervals; the
+    gaps are ranked by length with the kernel that ended last before each, the next kernel, and the innermost host
+    op at the gap's midpoint (None where the host ran no op)."""
+    from dsv4.harness.train.profile_step import device_idle
+    kernels = [(0, 10, "a"), (5, 30, "b"), (8, 12, "c"),               # busy 0-30 (b ends last)
+               (50, 60, "d"),                                          # gap 30-50 (20 us)
+               (61, 70, "e"), (100, 101, "f")]                         # gap 60-61 (1 us), 70-100 (30 us)
+    ops = [(0, 200, "aten::step"), (35, 45, "cudaMalloc"), (80, 90, "aten::index_put_")]
+    got = device_idle(kernels, ops, top=2)
+    assert got["span_ms"] == pytest.approx(0.101) and got["busy_ms"] == pytest.approx(0.050)
+    assert got["idle_ms"] == pytest.approx(0.051) and got["gaps"] == 3
+    assert [(g["after"], g["before"], g["host_op"]) for g in got["top_gaps"]] == \
+        [("e", "f", "aten::index_put_"), ("b", "d", "cudaMalloc")]
+    assert [g["ms"] for g in got["top_gaps"]] == pytest.approx([0.030, 0.020])
+    assert device_idle([(0, 5, "a"), (9, 10, "b")], [], top=5)["top_gaps"][0]["host_op"] is None
+    assert device_idle([], ops) is None
+
+
 def test_profile_summary_of_device_events():
     """The GPU path of `summarize` on a stand-in profiler: kernels counted and ranked, memcpy / annotations left
     out, runtime launch calls counted on the host."""
@@ -127,6 +146,7 @@ def test_profile_summary_of_device_events():
     assert [(k["name"], k["count"]) for k in s["top_kernels"]] == [("k" * 240, 1), ("gemm", 2)]
     assert s["top_kernels"][1]["share"] == pytest.approx(0.4)
     assert s["top_cpu_ops"][0]["name"] == "aten::mm"
+    assert s["device_idle"]["idle_ms"] == 0.0 and s["device_idle"]["gaps"] == 0      # every kernel starts at 0 here
 
 
 def test_incremental_write_keeps_finished_rows(tmp_path, monkeypatch):
