@@ -18,12 +18,16 @@
 # `more`: compile_train/ (`--compile --steps 12`: torch.compile of every block trains, issue 12) and packed_train/
 # (`--packing --steps 4`: packed THD rows on the Triton kernels) side by side. Decode is harness/device/gen_h200.sh.
 # `speed` (issue 13): each alone, in order (SPEED= a subset), every step cut to what is left of DEADLINE s (540):
+#   gpu_tests.log     `gpu_tests` (not a result): pytest of $GPU_TESTS (TESTS= others, TT= its limit, 240 s): P11's
+#                     capture, the indexer backward's capture, the MoE slot lists' GPU race; first in SPEED= after a
+#                     change to what a CUDA graph captures (cde260c: every captured row failed at capture)
 #   warm.json         `warm` (not a result): one ours step at 4K and 16K, so that Triton's kernels and autotuning
 #                     choices are in the cache before the timed rows (a cold first row spent 126 s of its 170 s in
 #                     its 4K warm-up at 8361be7; put `warm` first in SPEED=)
 #   train20/          `dsv4 train --recipe proxy --steps 20` (its per-step fwd-bwd time, not contended)
 #   bench_train.json  `dsv4 bench train --profile` rows in separate processes (--append): ours 4K+16K B=2 (TOKS=),
-#                     hf_eager 4K+16K, ours_cudagraph 4K+16K, hf_compile 4K (bench_ours_compile: ours_compile 4K),
+#                     hf_eager 4K+16K, ours_cudagraph 4K+16K (TOKSG=, TRG= its limit: 260 s; the 16K row's
+#                     first compile takes ~123 s), hf_compile 4K (bench_ours_compile: ours_compile 4K),
 #                     bench_head_ce: ours 4K+16K once per head cross-entropy mode (--head-ce recompute,grad_in_forward:
 #                     DSv4Model.set_head_ce's A/B, a ratio per tokens), bench_out_rope: the same per output-RoPE
 #                     mode (--out-rope fused,separate: DSv4Model.set_out_rope's A/B), bench_all_picked: ours 4K once per
@@ -84,6 +88,8 @@ if [ "$S" = 1 ]; then R=debug; N=4; RL="long-debug --steps 3"; E="--backend naiv
 else R=proxy; N=300; RL="long-proxy --curriculum proxy-64k --lr-schedule cosine"; E="--backend triton"
   SM="--config proxy --steps 5 --warmup 2"; T4=4096; fi
 T0=$(date +%s); DL=${DEADLINE:-540}
+# `gpu_tests` (TESTS= other files): the tests that only a GPU runs for the captured steps and the kernels they capture
+GPU_TESTS="slices/P11/test_packed_graph.py kernels/indexer/test_indexer.py kernels/moe_combine/test_moe_combine.py"
 left() { local l=$(( DL - ($(date +%s) - T0) - 10 )); [ "$1" -lt "$l" ] && l=$1; [ "$l" -lt 1 ] && l=1; echo $l; }
 for WHAT in $WHATS; do
 if [ "$WHAT" = train ]; then
@@ -111,7 +117,8 @@ elif [ "$WHAT" = speed ]; then
     train20) run train20 $(left 120) "$D train --recipe $R --steps 20 $E --out $SHIM/run_train20 --no-final-checkpoint --json"
              keep train20 ;;
     bench_ours|bench_hf_eager) run $st $(left ${TR:-170}) "$BT $SM --tokens ${TOKS:-$T4,$T16} --batch 2 --impls ${st#bench_} --profile --append --out $OUT/bench_train.json" ;;
-    bench_ours_cudagraph) run $st $(left ${TR:-170}) "$BT $SM --warmup 3 --tokens $T4,$T16 --batch 2 --impls ours_cudagraph --profile --append --out $OUT/bench_train.json" ;;
+    bench_ours_cudagraph) run $st $(left ${TRG:-260}) "$BT $SM --warmup 3 --tokens ${TOKSG:-$T4,$T16} --batch 2 --impls ours_cudagraph --profile --append --out $OUT/bench_train.json" ;;
+    gpu_tests) [ "$S" = 1 ] || run $st $(left ${TT:-240}) "python3 -m pytest -q -rs -p no:cacheprovider ${TESTS:-$GPU_TESTS}" ;;
     bench_head_ce) run $st $(left ${TR:-170}) "$BT $SM --tokens ${TOKS:-$T4,$T16} --batch 2 --impls ours --head-ce recompute,grad_in_forward --append --out $OUT/bench_train.json" ;;
     bench_all_picked) run $st $(left ${TR:-170}) "$BT $SM --tokens ${TOKS:-$T4} --batch 2 --impls ours --all-picked contiguous,listed --append --out $OUT/bench_train.json" ;;
     bench_out_rope) run $st $(left ${TR:-170}) "$BT $SM --tokens ${TOKS:-$T4,$T16} --batch 2 --impls ours --out-rope fused,separate --append --out $OUT/bench_train.json" ;;
