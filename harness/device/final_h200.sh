@@ -21,6 +21,8 @@
 #   gpu_tests.log     `gpu_tests` (not a result): pytest of $GPU_TESTS (TESTS= others, TT= its limit, 240 s): P11's
 #                     capture, the indexer backward's capture, the MoE slot lists' GPU race; first in SPEED= after a
 #                     change to what a CUDA graph captures (cde260c: every captured row failed at capture)
+#   window_bwd_split.json  `window_split` (TW= its limit, 240 s): harness/device/window_bwd_split.py ab, the split
+#                     window backward without dKV atomics against the kernel as it is (16K, H 16; issue 14)
 #   warm.json         `warm` (not a result): one ours step at 4K and 16K, so that Triton's kernels and autotuning
 #                     choices are in the cache before the timed rows (a cold first row spent 126 s of its 170 s in
 #                     its 4K warm-up at 8361be7; put `warm` first in SPEED=)
@@ -119,6 +121,7 @@ elif [ "$WHAT" = speed ]; then
     bench_ours|bench_hf_eager) run $st $(left ${TR:-170}) "$BT $SM --tokens ${TOKS:-$T4,$T16} --batch 2 --impls ${st#bench_} --profile --append --out $OUT/bench_train.json" ;;
     bench_ours_cudagraph) run $st $(left ${TRG:-260}) "$BT $SM --warmup 3 --tokens ${TOKSG:-$T4,$T16} --batch 2 --impls ours_cudagraph --profile --append --out $OUT/bench_train.json" ;;
     gpu_tests) [ "$S" = 1 ] || run $st $(left ${TT:-240}) "python3 -m pytest -q -rs -p no:cacheprovider ${TESTS:-$GPU_TESTS}" ;;
+    window_split) [ "$S" = 1 ] || run $st $(left ${TW:-240}) "OUT=$OUT $PY harness/device/window_bwd_split.py ab" ;;
     bench_head_ce) run $st $(left ${TR:-170}) "$BT $SM --tokens ${TOKS:-$T4,$T16} --batch 2 --impls ours --head-ce recompute,grad_in_forward --append --out $OUT/bench_train.json" ;;
     bench_all_picked) run $st $(left ${TR:-170}) "$BT $SM --tokens ${TOKS:-$T4} --batch 2 --impls ours --all-picked contiguous,listed --append --out $OUT/bench_train.json" ;;
     bench_out_rope) run $st $(left ${TR:-170}) "$BT $SM --tokens ${TOKS:-$T4,$T16} --batch 2 --impls ours --out-rope fused,separate --append --out $OUT/bench_train.json" ;;
