@@ -91,8 +91,6 @@ def _top(groups: dict, total_us: float, n: int) -> list[dict]:
 
 TOP_KERNELS, TOP_OPS = 60, 15           # rows kept in a summary (25 kernels left 9.4 of 36.2 ms of the 4K step unnamed)
 NAME_CHARS = 240                         # a mangled CUTLASS / ATen name differs only past its first 80 characters
-
-
 TOP_GAPS = 10                            # device idle gaps kept in a summary
 
 

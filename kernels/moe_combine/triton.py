@@ -5,7 +5,8 @@
 
 The forward gathers token t's K slots from `slot_of` [T, K] int32 = argsort(tok, stable) viewed [T, K] (each
 token's slots in ascending slot index; `slots_of_tokens`: listed by an atomic counter a token, then each row sorted,
-not a radix sort of tok: 8 passes of int64 keys, 10 a step in the proxy, 0.6 ms of its 4K CUDA-graph step) and sums w * y in registers from 0.0 in that order: the order in which
+not a radix sort of tok: 8 passes of int64 keys, 10 a step in the proxy, 0.6 ms of its 4K CUDA-graph step) and
+sums w * y in registers from 0.0 in that order: the order in which
 the reference's CPU index_add_ accumulates, so fp32 results match `naive.moe_combine` bit for bit there; on the
 GPU it is deterministic where index_add_'s atomics are not. ROWS tokens x BLOCK_D columns a program.
 The backward runs over the sorted slots, ROWS a program, looping over d in BLOCK_D tiles (dw in registers).
